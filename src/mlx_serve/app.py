@@ -1,0 +1,112 @@
+"""The ASGI application: ``create_app(settings)``, and ``app`` for ``uvicorn mlx_serve.app:app``.
+
+The lifespan owns the engine's task group: the actor starts with the app and, at
+shutdown, drains (in-flight requests finish up to ``drain_timeout``) before it is
+cancelled, which fails whatever is left with a terminal error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+
+from mlx_serve.config import Settings
+from mlx_serve.engine import Engine, EngineConfig, EngineState
+from mlx_serve.failpoints import FailPoints
+from mlx_serve.http_errors import EXCEPTION_HANDLERS
+from mlx_serve.mlx_thread import MLXThread
+from mlx_serve.models import DEFAULT_MODEL_ID, resolve_model
+from mlx_serve.routes import ROUTES
+from mlx_serve.server_state import ServerState
+
+log = logging.getLogger("mlx_serve")
+
+FATAL_EXIT_CODE = 70  # EX_SOFTWARE: a supervisor should restart us
+
+
+def served_model_name(settings: Settings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.model is None:
+        return DEFAULT_MODEL_ID
+    return os.path.basename(os.path.normpath(settings.model)) or settings.model
+
+
+def make_loader(settings: Settings, failpoints: FailPoints) -> Any:
+    """The engine's load job (runs on the MLX thread): resolve, convert once, load."""
+
+    def load() -> Any:
+        from mlx_serve.runner import BatchLimits, load_runner
+
+        path, _ = resolve_model(settings.model, settings.cache_dir, progress=log.info,
+                                dequantize=bool(settings.dequantize_default_model))
+        log.info("loading model from %s", path)
+        limits = BatchLimits(settings.decode_batch_size, settings.prefill_batch_size,
+                             settings.prefill_step_size)
+        runner = load_runner(path, limits=limits, failpoints=failpoints,
+                             max_context=settings.max_context)
+        log.info("model loaded: context %d tokens", runner.context_length)
+        return runner
+
+    return load
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(
+        max_running=settings.decode_batch_size,
+        max_queue=settings.max_queue,
+        step_timeout=settings.step_timeout,
+        max_failed_rebuilds=settings.max_failed_rebuilds,
+        max_request_failures=settings.max_request_failures,
+    )
+
+
+async def _run_engine(engine: Engine, settings: Settings) -> None:
+    try:
+        await engine.run()
+    except Exception:
+        pass  # already logged by the actor; its state says failed
+    if engine.state is EngineState.FAILED and settings.exit_on_fatal:
+        log.critical("engine failed for good; exiting with status %d", FATAL_EXIT_CODE)
+        os._exit(FATAL_EXIT_CODE)
+
+
+def create_app(settings: Settings | None = None) -> Starlette:
+    settings = settings or Settings()
+    failpoints = FailPoints.from_spec(settings.failpoints)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        mlx = MLXThread()
+        engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
+        app.state.server = ServerState(settings, engine, failpoints, served_model_name(settings))
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_run_engine, engine, settings)
+                yield
+                engine.begin_drain()
+                with anyio.move_on_after(settings.drain_timeout):
+                    await engine.finished.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            failpoints.release()  # no MLX job may stay blocked on a hang fail point
+            mlx.stop(timeout=10)
+
+    from mlx_serve.debug_routes import debug_routes
+
+    routes = ROUTES + (debug_routes() if settings.failpoints_http else [])
+    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+
+
+def __getattr__(name: str) -> Any:
+    # ``uvicorn mlx_serve.app:app`` reads settings from MLX_SERVE_* at import, lazily, so
+    # that importing this module for create_app() has no side effects.
+    if name == "app":
+        return create_app()
+    raise AttributeError(name)

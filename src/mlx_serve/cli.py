@@ -1,0 +1,64 @@
+"""``mlx-serve`` / ``python -m mlx_serve``: flags mirror the MLX_SERVE_* settings."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+from pydantic import ValidationError
+
+from mlx_serve.config import Settings
+
+
+def _flag_type(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if isinstance(annotation, types.UnionType) and args else annotation
+    return base
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-serve",
+        description="OpenAI-compatible LLM server for MLX. Every flag can also be set "
+        "as an MLX_SERVE_<NAME> environment variable.",
+    )
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = _flag_type(field.annotation)
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=field.description)
+        else:
+            converter = kind if kind in (int, float) else str
+            parser.add_argument(flag, dest=name, type=converter, default=None,
+                                help=field.description)
+    return parser
+
+
+def settings_from_args(argv: Sequence[str] | None) -> Settings:
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    return Settings(**overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = settings_from_args(argv)
+    except ValidationError as exc:
+        print(f"mlx-serve: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mlx_serve.app import create_app
+
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                            log_level=settings.log_level.lower(), backlog=2048,
+                            timeout_graceful_shutdown=int(settings.drain_timeout) + 5)
+    uvicorn.Server(config).run()
+    return 0

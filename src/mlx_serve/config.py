@@ -1,0 +1,68 @@
+"""Settings: one validated object built once from ``MLX_SERVE_*`` variables and CLI flags."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOOPBACK_NAMES = {"localhost"}
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """Every knob of the server. Field descriptions double as ``--help`` text."""
+
+    model_config = SettingsConfigDict(env_prefix="MLX_SERVE_", frozen=True, extra="ignore")
+
+    model: str | None = Field(
+        None, description="mlx-lm model folder or Hugging Face repo id (default: embedded model)"
+    )
+    served_model_name: str | None = Field(None, description="model id that clients use")
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind")
+    cache_dir: Path | None = Field(None, description="where the default model is converted to")
+    dequantize_default_model: bool | None = Field(
+        None,
+        description="serve the default model as float32 (default: on for Linux CPU with OpenBLAS)",
+    )
+
+    decode_batch_size: int = Field(32, ge=1, description="requests decoded together per step")
+    prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled together")
+    prefill_step_size: int = Field(512, ge=1, description="prompt tokens per prefill chunk")
+    max_queue: int = Field(256, ge=1, description="requests waiting for a batch slot before 429")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body")
+    max_context: int | None = Field(None, ge=2, description="override the model's context length")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens when a request names none (default: rest of context)"
+    )
+
+    sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
+
+    step_timeout: float = Field(120.0, gt=0, description="seconds before a step counts as wedged")
+    max_failed_rebuilds: int = Field(3, ge=1, description="failed rebuilds in a row before failed")
+    max_request_failures: int = Field(
+        2, ge=1, description="step failures a request may be part of before it is isolated"
+    )
+    exit_on_fatal: bool = Field(False, description="exit non-zero when the engine fails for good")
+    drain_timeout: float = Field(30.0, ge=0, description="seconds to finish in-flight on SIGTERM")
+
+    failpoints: str | None = Field(None, description="fault injection sites (see README)")
+    failpoints_http: bool = Field(False, description="allow /_debug/failpoints on loopback")
+    log_level: str = Field("info", description="log level")
+
+    @model_validator(mode="after")
+    def _debug_endpoints_only_on_loopback(self) -> Settings:
+        if self.failpoints_http and not is_loopback(self.host):
+            raise ValueError("failpoints_http is refused unless the server binds to loopback")
+        return self

@@ -1,0 +1,368 @@
+"""The generation actor: the one task that owns the batch and every request.
+
+    routes ── submit() ──► inbox (bounded memory channel) ──► Engine.run()
+                                                              admit → step → deliver
+    reply stream (one per request) ◄── send_nowait ───────────┘
+
+Only ``run`` mutates engine state. ``submit`` and ``statistics`` are synchronous and
+never wait on the actor, so a full batch or a stuck step can never stall the event loop
+or a health probe. Every request ends with exactly one terminal event on its reply
+stream: a Delta carrying ``finish_reason``, or a Failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from mlx_serve.errors import (
+    EngineDeadError,
+    EngineUnavailableError,
+    GenerationError,
+    MLXServeError,
+    OverloadedError,
+    RequestError,
+    StepTimeoutError,
+)
+from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent, StepOutcome
+from mlx_serve.mlx_thread import MLXThread
+from mlx_serve.recovery import Decision, Isolation
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(enum.StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    RECOVERING = "recovering"
+    DRAINING = "draining"
+    WEDGED = "wedged"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+# States in which the process is still worth keeping alive (liveness).
+ALIVE_STATES = {EngineState.LOADING, EngineState.READY, EngineState.RECOVERING,
+                EngineState.DRAINING}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int = 32
+    max_queue: int = 256
+    step_timeout: float = 120.0
+    max_failed_rebuilds: int = 3
+    max_request_failures: int = 2
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    state: EngineState
+    running: int
+    waiting: int
+    steps: int
+    recoveries: int
+    replays: int
+    isolated: int
+    step_age: float
+    error: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value, "running": self.running, "waiting": self.waiting,
+            "steps": self.steps, "recoveries": self.recoveries, "replays": self.replays,
+            "isolated": self.isolated, "step_age_s": round(self.step_age, 3),
+            "error": self.error,
+        }
+
+
+class RequestHandle:
+    """The route's end of one request: iterate its events; close it when the client goes."""
+
+    def __init__(self, request_id: str, events: MemoryObjectReceiveStream[ReplyEvent]) -> None:
+        self.request_id = request_id
+        self._events = events
+
+    def __aiter__(self) -> AsyncIterator[ReplyEvent]:
+        return self._events.__aiter__()
+
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closing tells the actor the client is gone; it drops the request next step."""
+        self._events.close()
+
+
+class _Open:
+    __slots__ = ("request", "reply")
+
+    def __init__(self, request: GenerationRequest, reply: MemoryObjectSendStream[ReplyEvent]):
+        self.request = request
+        self.reply = reply
+
+    @property
+    def client_gone(self) -> bool:
+        return self.reply.statistics().open_receive_streams == 0
+
+
+class Engine:
+    def __init__(
+        self, load: Callable[[], Any], config: EngineConfig, mlx: MLXThread
+    ) -> None:
+        self._load = load
+        self._config = config
+        self._mlx = mlx
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[_Open](
+            config.max_queue
+        )
+        self._state = EngineState.LOADING
+        self._error: str | None = None
+        self._open: dict[str, _Open] = {}
+        self._admitted: set[str] = set()  # open requests the runner has been given
+        self._batch: frozenset[str] | None = None  # None: every open request is in it
+        self._isolation = Isolation(config.max_failed_rebuilds, config.max_request_failures)
+        self._step_started: float | None = None
+        self._counts = {"steps": 0, "recoveries": 0, "replays": 0, "isolated": 0}
+        self._draining = False
+        self.runner: Any = None
+        self.ready = anyio.Event()
+        self.finished = anyio.Event()
+
+    # -- producers' side: synchronous, never waits on the actor ----------------------------
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        if self._state not in (EngineState.READY, EngineState.RECOVERING):
+            raise self.unavailable_error()
+        reply, events = anyio.create_memory_object_stream[ReplyEvent](math.inf)
+        try:
+            self._inbox_send.send_nowait(_Open(request, reply))
+        except anyio.WouldBlock:
+            raise OverloadedError("the server is at capacity; retry shortly") from None
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise EngineDeadError("the generation engine has stopped") from None
+        return RequestHandle(request.request_id, events)
+
+    def statistics(self) -> EngineStatistics:
+        started = self._step_started
+        return EngineStatistics(
+            state=self._state, running=len(self._open),
+            waiting=self._inbox.statistics().current_buffer_used,
+            step_age=0.0 if started is None else time.monotonic() - started,
+            error=self._error, **self._counts,
+        )
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    def begin_drain(self) -> None:
+        """Stop admitting; in-flight requests go on. Called on SIGTERM.
+
+        Closing the inbox's sending side wakes an idle actor; queued requests are
+        answered with 503 by the actor itself.
+        """
+        self._draining = True
+        if self._state in (EngineState.READY, EngineState.RECOVERING, EngineState.LOADING):
+            self._state = EngineState.DRAINING
+        self._inbox_send.close()
+
+    @property
+    def idle(self) -> bool:
+        return not self._open and self._inbox.statistics().current_buffer_used == 0
+
+    # -- the actor ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            self.runner = await self._mlx.call(self._load)
+            if not self._draining:
+                self._state = EngineState.READY
+            self.ready.set()
+            while await self._wait_for_work():
+                admissions = self._take_admissions()
+                cancellations = self._take_cancellations()
+                in_step = self._in_batch(admissions)
+                outcome = await self._timed_step(admissions, cancellations)
+                if outcome is not None:
+                    await self._handle(outcome, in_step)
+        except Exception as exc:
+            log.exception("the generation engine stopped")
+            self._state, self._error = EngineState.FAILED, f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if self._state not in (EngineState.FAILED, EngineState.WEDGED):
+                self._state = EngineState.STOPPED
+            self._fail_all(EngineDeadError(f"the generation engine has {self._state.value}"))
+            self.ready.set()
+            self.finished.set()
+
+    async def _wait_for_work(self) -> bool:
+        """Return True when there is something to step; False when the actor should end."""
+        while not self._open:
+            try:
+                self._open_request(await self._inbox.receive())
+            except anyio.EndOfStream:
+                return False
+        return True
+
+    def _open_request(self, entry: _Open) -> None:
+        if entry.client_gone:
+            entry.reply.close()
+        elif self._draining:
+            _answer(entry, Failure(EngineUnavailableError("the server is draining")))
+        else:
+            self._open[entry.request.request_id] = entry
+
+    def _take_admissions(self) -> list[GenerationRequest]:
+        """Pull new requests from the inbox, up to the running limit (none while isolating)."""
+        if self._batch is None:
+            while len(self._open) < self._config.max_running or self._draining:
+                try:
+                    self._open_request(self._inbox.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+        return [o.request for rid, o in self._open.items() if rid not in self._admitted]
+
+    def _take_cancellations(self) -> list[str]:
+        gone = [rid for rid, o in self._open.items() if o.client_gone]
+        for rid in gone:
+            self._open.pop(rid).reply.close()
+            self._admitted.discard(rid)
+        if gone:
+            self._isolation.forget(gone)
+        return gone
+
+    def _in_batch(self, admissions: list[GenerationRequest]) -> frozenset[str]:
+        self._admitted.update(r.request_id for r in admissions)
+        if self._batch is not None:
+            return self._batch & self._open.keys()
+        return frozenset(self._open)
+
+    async def _timed_step(
+        self, admissions: list[GenerationRequest], cancellations: list[str]
+    ) -> StepOutcome | None:
+        """One step on the MLX thread, never abandoned; a late one wedges the engine."""
+        future = asyncio.wrap_future(self._mlx.submit(self.runner.step, admissions, cancellations))
+        self._step_started = time.monotonic()
+        try:
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(self._config.step_timeout):
+                    try:
+                        return await asyncio.shield(future)
+                    except Exception as exc:  # a fault outside the runner's own guard
+                        return StepOutcome(error=exc)
+                await self._wedged(future)
+                return None
+        finally:
+            self._step_started = None
+            self._counts["steps"] += 1
+
+    async def _wedged(self, future: asyncio.Future[StepOutcome]) -> None:
+        log.error("a step exceeded %.1f s: engine wedged", self._config.step_timeout)
+        previous, self._state = self._state, EngineState.WEDGED
+        self._fail_all(StepTimeoutError("the generation step timed out; the engine is wedged"))
+        await future  # the MLX thread cannot be interrupted; wait for it to come back
+        await self._mlx.call(self._rebuild_empty)
+        self._state = EngineState.DRAINING if self._draining else previous
+        log.warning("the wedged step returned; engine rebuilt and %s", self._state.value)
+
+    def _rebuild_empty(self) -> None:
+        self.runner.forget(self.runner.live_ids())
+        self.runner.rebuild()
+
+    async def _handle(self, outcome: StepOutcome, in_step: frozenset[str]) -> None:
+        for rid, exc in outcome.failed:
+            self._finish(rid, Failure(_as_request_error(exc)))
+        self._deliver(outcome.deltas)
+        if outcome.error is None:
+            decision = self._isolation.on_success(in_step)
+        else:
+            log.warning("step failed (%s: %s) with %d requests",
+                        type(outcome.error).__name__, outcome.error, len(in_step))
+            self._counts["recoveries"] += 1
+            decision = self._isolation.on_failure(in_step & self._open.keys())
+        if decision is not None:
+            await self._apply(decision, outcome.error)
+        if self._state is EngineState.RECOVERING and not self._isolation.recovering:
+            self._state = EngineState.READY
+
+    async def _apply(self, decision: Decision, error: BaseException | None) -> None:
+        if decision.fatal:
+            raise RuntimeError(f"the batch could not be rebuilt: {error}") from error
+        for rid in decision.isolate:
+            self._counts["isolated"] += 1
+            self._finish(rid, Failure(GenerationError(f"generation failed: {error}")))
+        if decision.isolate:
+            await self._mlx.call(self.runner.forget, decision.isolate)
+        self._batch = decision.batch
+        if self._isolation.recovering and self._state is EngineState.READY:
+            self._state = EngineState.RECOVERING
+        self._counts["replays"] += len(self._in_batch([]))
+        await self._mlx.call(self.runner.rebuild, self._batch)
+
+    def _deliver(self, deltas: Collection[tuple[str, Delta]]) -> None:
+        for rid, delta in deltas:
+            if delta.finish_reason is not None:
+                self._finish(rid, delta)
+                continue
+            entry = self._open.get(rid)
+            if entry is not None:
+                try:
+                    entry.reply.send_nowait(delta)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass  # client gone: cancelled at the next step
+
+    def _finish(self, rid: str, event: ReplyEvent) -> None:
+        entry = self._open.pop(rid, None)
+        self._admitted.discard(rid)
+        self._isolation.forget([rid])
+        if entry is not None:
+            _answer(entry, event)
+
+    def _fail_all(self, error: MLXServeError) -> None:
+        """Terminal error to every open and queued request; close the inbox for good."""
+        for rid in list(self._open):
+            self._finish(rid, Failure(error))
+        if self._state is not EngineState.WEDGED:
+            self._inbox_send.close()
+        while True:
+            try:
+                entry = self._inbox.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            _answer(entry, Failure(error))
+
+    def unavailable_error(self) -> MLXServeError:
+        if self._state in (EngineState.FAILED, EngineState.STOPPED):
+            return EngineDeadError(f"the generation engine has {self._state.value}")
+        return EngineUnavailableError(f"the server is {self._state.value}; retry later")
+
+
+def _answer(entry: _Open, event: ReplyEvent) -> None:
+    """Send a terminal event and close the reply stream; a departed client is fine."""
+    try:
+        entry.reply.send_nowait(event)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
+    entry.reply.close()
+
+
+def _as_request_error(exc: Exception) -> MLXServeError:
+    if isinstance(exc, MLXServeError):
+        return exc
+    if isinstance(exc, ValueError):
+        return RequestError(f"the request could not be admitted: {exc}")
+    return GenerationError(f"generation failed: {type(exc).__name__}: {exc}")

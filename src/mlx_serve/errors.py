@@ -1,0 +1,97 @@
+"""Every error a client can see, each knowing its HTTP status and OpenAI error type.
+
+    MLXServeError                       500 server_error
+    ├── RequestError                    400 invalid_request_error
+    │   ├── UnsupportedParameterError   400 (an OpenAI field we cannot honour)
+    │   └── ContextLengthExceededError  400 context_length_exceeded
+    ├── ModelNotFoundError              404 model_not_found
+    ├── PayloadTooLargeError            413
+    ├── OverloadedError                 429 (+ Retry-After): the inbox is full
+    ├── EngineUnavailableError          503 (+ Retry-After): loading, draining, wedged
+    │   └── EngineDeadError             503: the actor is gone or has failed for good
+    ├── GenerationError                 500: a batch step failed this request
+    └── StepTimeoutError                503: the step in flight exceeded its deadline
+
+The engine and the HTTP layer both raise these; the HTTP layer maps them to responses in
+one place (``http_errors``). Nothing here imports Starlette or MLX.
+"""
+
+from __future__ import annotations
+
+
+class MLXServeError(Exception):
+    status_code: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+    retry_after: int | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict[str, object]:
+        """The OpenAI error object."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class RequestError(MLXServeError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class UnsupportedParameterError(RequestError):
+    code = "unsupported_parameter"
+
+
+class ContextLengthExceededError(RequestError):
+    code = "context_length_exceeded"
+
+
+class ModelNotFoundError(MLXServeError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLargeError(MLXServeError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class OverloadedError(MLXServeError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "server_overloaded"
+    retry_after = 1
+
+
+class EngineUnavailableError(MLXServeError):
+    status_code = 503
+    error_type = "server_error"
+    code = "engine_unavailable"
+    retry_after = 5
+
+
+class EngineDeadError(EngineUnavailableError):
+    code = "engine_dead"
+
+
+class GenerationError(MLXServeError):
+    code = "generation_failed"
+
+
+class StepTimeoutError(MLXServeError):
+    status_code = 503
+    code = "step_timeout"
+    retry_after = 5

@@ -1,0 +1,75 @@
+"""Value types shared by the HTTP layer, the actor and the runner. No logic, no I/O."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from mlx_serve.errors import MLXServeError
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def has_logits_processors(self) -> bool:
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty not in (None, 1.0)
+            or self.presence_penalty not in (None, 0.0)
+            or self.frequency_penalty not in (None, 0.0)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    params: SamplingParams
+    user: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New output of one request in one step. The last one carries ``finish_reason``."""
+
+    text: str
+    token_count: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """The terminal event of a request that could not be completed."""
+
+    error: MLXServeError
+
+
+# What a reply stream carries: any number of Deltas, then exactly one terminal event
+# (a Delta with finish_reason, or a Failure).
+ReplyEvent = Delta | Failure
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """Everything one runner step produced, returned to the actor in one hop."""
+
+    deltas: tuple[tuple[str, Delta], ...] = ()
+    failed: tuple[tuple[str, Exception], ...] = ()  # requests that failed alone
+    error: BaseException | None = None  # the step itself failed: rebuild before the next

@@ -1,0 +1,43 @@
+"""The one place where exceptions become HTTP responses (OpenAI error objects)."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlx_serve.errors import MLXServeError
+
+log = logging.getLogger(__name__)
+
+
+def error_response(exc: MLXServeError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=headers)
+
+
+async def handle_mlx_serve_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, MLXServeError)
+    return error_response(exc)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = MLXServeError(str(exc.detail), code=None)
+    error.status_code = exc.status_code
+    error.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error_response(error)
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(MLXServeError(f"internal server error: {type(exc).__name__}"))
+
+
+EXCEPTION_HANDLERS = {
+    MLXServeError: handle_mlx_serve_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}

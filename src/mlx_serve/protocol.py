@@ -1,0 +1,97 @@
+"""OpenAI wire models for requests (pydantic, validation only; no logic).
+
+Replies are built as plain dicts in ``streaming``/``routes``: validating our own output
+on every chunk would cost time on the hot path for nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI fields that would change the output and that this server cannot honour yet.
+# Sending them (with a non-default value) is a 400, never silently ignored.
+UNSUPPORTED_FIELDS = frozenset({
+    "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+    "functions", "function_call", "verbosity",
+})
+# OpenAI fields that are accepted and change nothing about the generated text.
+ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls"})
+
+
+class _Request(BaseModel):
+    # Unknown fields are kept so the route can reject OpenAI ones it cannot honour and
+    # log (then ignore) vendor extensions, as vLLM does.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    seed: int | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    user: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Any = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[
+        list[str], Field(min_length=1)
+    ]
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+
+_Request.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()

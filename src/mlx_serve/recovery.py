@@ -1,0 +1,88 @@
+"""Fault isolation policy: which requests to put into the next batch after a step fails.
+
+Pure bookkeeping, no I/O. After a failed step the whole set is replayed once (most faults
+are transient). If the replay fails too, the failed set is bisected: each half is tested
+in a step of its own, in order, while the other requests wait parked. A group whose step
+succeeds is cleared; a failing group is split again; a request that fails alone
+``max_alone_failures`` times is isolated (the engine fails it and only it).
+
+Testing both halves means a single poison request always lets a healthy step through
+within two probes, so ``failure_streak`` (failed steps since the last good one) stays
+small; a streak of ``1 + max_failed_rebuilds`` says the engine itself is broken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the actor does next. ``batch`` None means: everything live, normal serving."""
+
+    batch: frozenset[str] | None
+    isolate: frozenset[str] = frozenset()
+    fatal: bool = False
+
+
+@dataclass
+class Isolation:
+    max_failed_rebuilds: int = 3
+    max_alone_failures: int = 2
+    failure_streak: int = 0
+    _replayed: bool = False
+    _probing: frozenset[str] | None = None
+    _pending: list[frozenset[str]] = field(default_factory=list)
+    _alone_failures: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def recovering(self) -> bool:
+        return self.failure_streak > 0 or self._probing is not None or bool(self._pending)
+
+    def on_failure(self, in_step: Collection[str]) -> Decision:
+        """The step over ``in_step`` raised. Decide the next batch."""
+        self.failure_streak += 1
+        if self.failure_streak > self.max_failed_rebuilds:
+            return Decision(batch=None, fatal=True)
+        group = frozenset(in_step)
+        if self._probing is None and not self._replayed:
+            self._replayed = True  # first, assume a transient fault: replay everything
+            return Decision(batch=None)
+        isolate: frozenset[str] = frozenset()
+        if len(group) == 1:
+            (rid,) = group
+            self._alone_failures[rid] = self._alone_failures.get(rid, 0) + 1
+            if self._alone_failures[rid] >= self.max_alone_failures:
+                isolate = group
+            else:
+                self._pending.insert(0, group)
+        elif group:
+            half = len(group) // 2
+            ordered = sorted(group)
+            self._pending[:0] = [frozenset(ordered[:half]), frozenset(ordered[half:])]
+        return self._next(isolate)
+
+    def on_success(self, in_step: Collection[str]) -> Decision | None:
+        """A step succeeded. Returns a new batch decision, or None to keep going as is."""
+        self.failure_streak = 0
+        if self._probing is None and not self._pending:
+            self._replayed = False
+            return None
+        return self._next(frozenset())
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Requests that ended (finished, cancelled) leave every pending group."""
+        gone = set(request_ids)
+        self._pending = [g - gone for g in self._pending if g - gone]
+        for rid in gone:
+            self._alone_failures.pop(rid, None)
+
+    def _next(self, isolate: frozenset[str]) -> Decision:
+        self._pending = [g - isolate for g in self._pending if g - isolate]
+        if self._pending:
+            self._probing = self._pending.pop(0)
+            return Decision(batch=self._probing, isolate=isolate)
+        self._probing = None
+        self._replayed = False
+        return Decision(batch=None, isolate=isolate)

@@ -1,0 +1,145 @@
+"""HTTP endpoints: OpenAI protocol <-> engine requests. No generation logic here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mlx_serve.engine import ALIVE_STATES, Engine, EngineState
+from mlx_serve.errors import (
+    EngineUnavailableError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    RequestError,
+)
+from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
+from mlx_serve.request_building import build_chat_request, build_completion_request
+from mlx_serve.server_state import ServerState
+from mlx_serve.streaming import ReplyShape, collect, sse_events
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """Read the body, refusing it as soon as it passes ``limit`` bytes (413)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from None
+
+
+def parse(model: type[M], body: Any) -> M:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise RequestError(f"invalid value for '{param}': {first['msg']}", param=param) from None
+
+
+def _ready_engine(state: ServerState) -> Engine:
+    engine = state.engine
+    if engine.state not in (EngineState.READY, EngineState.RECOVERING):
+        raise engine.unavailable_error()
+    if engine.runner is None:
+        raise EngineUnavailableError("the model is still loading")
+    return engine
+
+
+def _check_model(state: ServerState, name: str | None) -> str:
+    if name is not None and name != state.model_name:
+        raise ModelNotFoundError(
+            f"the model '{name}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+        )
+    return state.model_name
+
+
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    body = parse(ChatCompletionRequest, await read_json(request, state.settings.max_body_bytes))
+    model = _check_model(state, body.model)
+    engine = _ready_engine(state)
+    gen = await build_chat_request(body, engine.runner, state.settings, _request_id())
+    return await _reply(request, state, body, gen, chat=True, model=model)
+
+
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    body = parse(CompletionRequest, await read_json(request, state.settings.max_body_bytes))
+    model = _check_model(state, body.model)
+    engine = _ready_engine(state)
+    gen = await build_completion_request(body, engine.runner, state.settings, _request_id())
+    return await _reply(request, state, body, gen, chat=False, model=model)
+
+
+async def _reply(request, state, body, gen, *, chat: bool, model: str) -> Response:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    shape = ReplyShape(chat=chat, model=model, prompt_tokens=len(gen.prompt_tokens),
+                       include_usage=include_usage and body.stream, id=gen.request_id)
+    handle = state.engine.submit(gen)
+    if body.stream:
+        events = sse_events(handle, shape, state.failpoints, body.user)
+        return EventSourceResponse(events, ping=state.settings.sse_ping_seconds)
+    result = await collect(handle, shape, request)
+    return JSONResponse(result)
+
+
+def _request_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.started,
+        "owned_by": "mlx-serve",
+    }]})
+
+
+async def health(request: Request) -> Response:
+    """Readiness: 200 only while the engine can take work. Never waits on the actor."""
+    stats = _state(request).engine.statistics()
+    ok = stats.state in (EngineState.READY, EngineState.RECOVERING)
+    body = {"status": "ok" if ok else stats.state.value, **stats.as_dict()}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def live(request: Request) -> Response:
+    """Liveness: 200 unless the engine is dead, failed or wedged."""
+    stats = _state(request).engine.statistics()
+    ok = stats.state in ALIVE_STATES
+    return JSONResponse({"status": "ok" if ok else stats.state.value, "state": stats.state.value},
+                        status_code=200 if ok else 503)
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/live", live, methods=["GET"]),
+]

@@ -1,0 +1,5 @@
+"""The only place that touches MLX at serving time: model, tokenizer and batch steps."""
+
+from mlx_serve.runner.batch import BatchLimits, Runner, load_runner
+
+__all__ = ["BatchLimits", "Runner", "load_runner"]

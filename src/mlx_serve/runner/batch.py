@@ -1,0 +1,226 @@
+"""Runner: drives mlx-lm's BatchGenerator on the MLX thread, one step per call.
+
+Every method runs on the MLX thread, called by the actor one job at a time. The runner
+keeps, per live request, exactly what is needed to replay it into a fresh batch: the
+prompt, the tokens delivered so far, and the text state (detokenizer, held stop text).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from mlx_serve.failpoints import FailPoints
+from mlx_serve.generation import Delta, FinishReason, GenerationRequest, StepOutcome
+from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
+from mlx_serve.stop_strings import StopStringMatcher
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT_LENGTH = 4096
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    decode_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+
+
+class _Live:
+    """One request the runner is generating for (in the batch, or parked)."""
+
+    __slots__ = ("request", "detokenizer", "stops", "generated", "uid")
+
+    def __init__(self, request: GenerationRequest, detokenizer: Any) -> None:
+        self.request = request
+        self.detokenizer = detokenizer
+        self.stops = StopStringMatcher(request.params.stop)
+        self.generated: list[int] = []
+        self.uid: int | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.request.params.max_tokens - len(self.generated)
+
+
+class Runner:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        context_length: int,
+        vocab_size: int,
+        limits: BatchLimits,
+        failpoints: FailPoints,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self._limits = limits
+        self._failpoints = failpoints
+        # Created on the MLX thread: MLX streams belong to the thread that made them.
+        self._stream = mx.default_stream(mx.default_device())
+        self._eos = StopSequences([(t,) for t in sorted(tokenizer.eos_token_ids)])
+        self._live: dict[str, _Live] = {}
+        self._by_uid: dict[int, _Live] = {}
+        self._batch = self._new_batch()
+
+    # -- the actor's calls -------------------------------------------------------------
+
+    def step(
+        self, admissions: Sequence[GenerationRequest], cancellations: Collection[str]
+    ) -> StepOutcome:
+        """Admit, cancel, run one batch step and turn its tokens into text deltas.
+
+        Never raises: a fault of one request is reported in ``failed``, a fault of the
+        step itself in ``error`` (the batch must then be rebuilt before the next step).
+        """
+        self._remove(cancellations)
+        failed = [f for f in (self._admit(r) for r in admissions) if f is not None]
+        if not self._by_uid:
+            return StepOutcome(failed=tuple(failed))
+        try:
+            self._failpoints.check("engine.step", self._users())
+            _, responses = self._batch.next()
+            self._failpoints.check("engine.detokenize", self._users())
+        except Exception as exc:
+            return StepOutcome(failed=tuple(failed), error=exc)
+        deltas = []
+        for r in responses:
+            live = self._by_uid.get(r.uid)
+            if live is None:
+                continue
+            try:
+                deltas.append((live.request.request_id, self._advance(live, r)))
+            except Exception as exc:  # one request's text fault fails that request only
+                self._remove([live.request.request_id])
+                failed.append((live.request.request_id, exc))
+        return StepOutcome(deltas=tuple(deltas), failed=tuple(failed))
+
+    def rebuild(self, active: Collection[str] | None = None) -> None:
+        """Replace the batch generator and replay live requests into it.
+
+        ``active`` names the requests to put into the fresh batch (default: all); the
+        other live requests stay parked, keeping their state, until a later rebuild.
+        """
+        self._close_batch()
+        self._batch = self._new_batch()
+        self._by_uid.clear()
+        for live in self._live.values():
+            live.uid = None
+        chosen = self._live.keys() if active is None else active
+        for request_id in chosen:
+            live = self._live[request_id]
+            self._insert(live, list(live.request.prompt_tokens) + live.generated)
+
+    def forget(self, request_ids: Collection[str]) -> None:
+        """Drop requests for good (finished elsewhere, failed or isolated)."""
+        self._remove(request_ids)
+
+    def live_ids(self) -> list[str]:
+        return list(self._live)
+
+    def close(self) -> None:
+        self._close_batch()
+        self._live.clear()
+        self._by_uid.clear()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _new_batch(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            completion_batch_size=self._limits.decode_batch_size,
+            prefill_batch_size=self._limits.prefill_batch_size,
+            prefill_step_size=self._limits.prefill_step_size,
+            stream=self._stream,
+        )
+
+    def _close_batch(self) -> None:
+        try:
+            self._batch.close()
+        except Exception:  # a broken generator must not stop us from replacing it
+            log.exception("closing the old batch generator failed")
+
+    def _admit(self, request: GenerationRequest) -> tuple[str, Exception] | None:
+        try:
+            self._failpoints.check("engine.admit", _user_set(request.user))
+            live = _Live(request, self.tokenizer.detokenizer)
+            self._insert(live, list(request.prompt_tokens))
+        except Exception as exc:
+            return request.request_id, exc
+        self._live[request.request_id] = live
+        return None
+
+    def _insert(self, live: _Live, prompt: list[int]) -> None:
+        params = live.request.params
+        (uid,) = self._batch.insert(
+            [prompt],
+            max_tokens=[live.remaining],
+            samplers=[make_request_sampler(params, len(live.generated))],
+            logits_processors=[make_request_processors(params)],
+            stop_sequences=[self._eos],
+        )
+        live.uid = uid
+        self._by_uid[uid] = live
+
+    def _remove(self, request_ids: Collection[str]) -> None:
+        uids = []
+        for request_id in request_ids:
+            live = self._live.pop(request_id, None)
+            if live is not None and live.uid is not None:
+                self._by_uid.pop(live.uid, None)
+                uids.append(live.uid)
+        if uids:
+            self._batch.remove(uids)
+
+    def _users(self) -> set[str]:
+        return {u for live in self._by_uid.values() if (u := live.request.user) is not None}
+
+    def _advance(self, live: _Live, response: Any) -> Delta:
+        """Account one generated token; return the text it releases."""
+        live.generated.append(response.token)
+        detok = live.detokenizer
+        finish: FinishReason | None = None
+        if response.finish_reason == "stop":  # an end-of-sequence token: never shown
+            detok.finalize()
+            finish = FinishReason.STOP
+        else:
+            detok.add_token(response.token)
+            if response.finish_reason == "length":
+                detok.finalize()
+                finish = FinishReason.LENGTH
+        text, hit = live.stops.feed(detok.last_segment)
+        if hit:
+            finish = FinishReason.STOP
+        elif finish is not None:
+            text += live.stops.flush()
+        if finish is not None:
+            self._remove([live.request.request_id])
+        return Delta(text, 1, finish)
+
+
+def _user_set(user: str | None) -> set[str]:
+    return {user} if user is not None else set()
+
+
+def load_runner(
+    path: str, *, limits: BatchLimits, failpoints: FailPoints, max_context: int | None = None
+) -> Runner:
+    """Load a model and build its runner. Call on the MLX thread."""
+    from mlx_lm import load
+
+    failpoints.check("startup.load")
+    model, tokenizer, config = load(path, return_config=True)
+    context = max_context or config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH
+    vocab = config.get("vocab_size") or len(tokenizer.get_vocab())
+    return Runner(model, tokenizer, context_length=int(context), vocab_size=int(vocab),
+                  limits=limits, failpoints=failpoints)

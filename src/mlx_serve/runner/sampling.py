@@ -1,0 +1,78 @@
+"""Per-request samplers and logits processors built from mlx-lm's sample_utils.
+
+Requests with equal unseeded settings share one sampler object, so mlx-lm samples them
+in one batched call. A seeded request gets its own sampler whose key depends only on
+(seed, position of the token sampled): replaying a request from any position draws the
+same keys again, which keeps seeded output exact across recovery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+    make_sampler,
+)
+
+from mlx_serve.generation import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+
+# Presence/frequency/repetition penalties look at this many recent tokens (mlx-lm's unit).
+PENALTY_CONTEXT = 64
+
+
+@lru_cache(maxsize=256)
+def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+    return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+
+
+class SeededSampler:
+    """Samples with keys derived from (seed, position), never from MLX's global state."""
+
+    def __init__(self, params: SamplingParams, seed: int, position: int) -> None:
+        self._params = params
+        self._seed = seed
+        self._position = position
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        p = self._params
+        if 0 < p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, p.min_p, 1)
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        key = mx.random.key((self._seed * 1_000_003 + self._position) % (1 << 63))
+        self._position += 1
+        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=key)
+
+
+def make_request_sampler(params: SamplingParams, position: int) -> Sampler:
+    """The sampler for a request whose next sampled token is number ``position``."""
+    if params.temperature == 0:
+        return greedy_sampler
+    if params.seed is None:
+        return _shared_sampler(params.temperature, params.top_p, params.min_p, params.top_k)
+    return SeededSampler(params, params.seed, position)
+
+
+def make_request_processors(params: SamplingParams) -> list[Callable]:
+    if not params.has_logits_processors:
+        return []
+    return make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        repetition_penalty=params.repetition_penalty,
+        repetition_context_size=PENALTY_CONTEXT,
+        presence_penalty=params.presence_penalty,
+        presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=params.frequency_penalty,
+        frequency_context_size=PENALTY_CONTEXT,
+    )

@@ -1,0 +1,19 @@
+"""What the routes share: settings, the engine, fail points and the served model's name."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mlx_serve.config import Settings
+from mlx_serve.engine import Engine
+from mlx_serve.failpoints import FailPoints
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    engine: Engine
+    failpoints: FailPoints
+    model_name: str
+    started: int = field(default_factory=lambda: int(time.time()))

@@ -1,0 +1,45 @@
+"""Stop-string matching on streamed text, across token boundaries.
+
+Text that could still be the start of a stop string is held back until the next piece
+of text decides it, so a stop string never leaks into the output and nothing after it
+is emitted.
+"""
+
+from __future__ import annotations
+
+
+class StopStringMatcher:
+    __slots__ = ("_stops", "_held", "_longest")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add decoded text; return (text safe to emit, whether a stop string matched)."""
+        if not self._stops:
+            return text, False
+        pending = self._held + text
+        first = min(
+            (i for i in (pending.find(s) for s in self._stops) if i >= 0), default=-1
+        )
+        if first >= 0:
+            self._held = ""
+            return pending[:first], True
+        keep = self._partial_suffix(pending)
+        self._held = pending[len(pending) - keep :] if keep else ""
+        return pending[: len(pending) - keep], False
+
+    def flush(self) -> str:
+        """Release held text at the end of generation (no stop string can complete now)."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
+        for size in range(min(len(text), self._longest - 1), 0, -1):
+            tail = text[-size:]
+            if any(s.startswith(tail) for s in self._stops):
+                return size
+        return 0
