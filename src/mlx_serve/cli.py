@@ -56,9 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mlx_serve.app import create_app
+    from mlx_serve.serving import DrainingServer
 
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), backlog=2048,
-                            timeout_graceful_shutdown=int(settings.drain_timeout) + 5)
-    uvicorn.Server(config).run()
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, app, settings.drain_timeout).run()
     return 0

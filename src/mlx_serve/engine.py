@@ -85,6 +85,10 @@ class EngineStatistics:
         }
 
 
+class _EngineFailed(Exception):
+    """Recovery gave up: the engine cannot step any more."""
+
+
 class RequestHandle:
     """The route's end of one request: iterate its events; close it when the client goes."""
 
@@ -138,6 +142,7 @@ class Engine:
         self._counts = {"steps": 0, "recoveries": 0, "replays": 0, "isolated": 0}
         self._draining = False
         self.runner: Any = None
+        self._abort = anyio.CancelScope()
         self.ready = anyio.Event()
         self.finished = anyio.Event()
 
@@ -185,7 +190,15 @@ class Engine:
 
     # -- the actor ------------------------------------------------------------------------
 
+    def abort(self) -> None:
+        """End the actor after its current step; every open request gets a terminal error."""
+        self._abort.cancel()
+
     async def run(self) -> None:
+        with self._abort:
+            await self._run()
+
+    async def _run(self) -> None:
         try:
             self.runner = await self._mlx.call(self._load)
             if not self._draining:
@@ -198,8 +211,11 @@ class Engine:
                 outcome = await self._timed_step(admissions, cancellations)
                 if outcome is not None:
                     await self._handle(outcome, in_step)
+        except _EngineFailed as exc:
+            log.critical("the generation engine failed for good: %s", exc)
+            self._state, self._error = EngineState.FAILED, str(exc)
         except Exception as exc:
-            log.exception("the generation engine stopped")
+            log.exception("the generation engine crashed")
             self._state, self._error = EngineState.FAILED, f"{type(exc).__name__}: {exc}"
             raise
         finally:
@@ -301,7 +317,10 @@ class Engine:
 
     async def _apply(self, decision: Decision, error: BaseException | None) -> None:
         if decision.fatal:
-            raise RuntimeError(f"the batch could not be rebuilt: {error}") from error
+            raise _EngineFailed(
+                f"{self._config.max_failed_rebuilds} rebuilds in a row failed; last error: "
+                f"{type(error).__name__}: {error}"
+            )
         for rid in decision.isolate:
             self._counts["isolated"] += 1
             self._finish(rid, Failure(GenerationError(f"generation failed: {error}")))

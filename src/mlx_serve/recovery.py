@@ -6,9 +6,12 @@ in a step of its own, in order, while the other requests wait parked. A group wh
 succeeds is cleared; a failing group is split again; a request that fails alone
 ``max_alone_failures`` times is isolated (the engine fails it and only it).
 
-Testing both halves means a single poison request always lets a healthy step through
-within two probes, so ``failure_streak`` (failed steps since the last good one) stays
-small; a streak of ``1 + max_failed_rebuilds`` says the engine itself is broken.
+Probes run breadth first (both halves of a split before either is split again), so a
+single poison request always lets a healthy probe through right after a failing one and
+``failure_streak`` (failed steps since the last good one) stays at most 3: the first
+failure, the replay, one probe. A longer streak (``1 + max_failed_rebuilds`` with the
+default of 3) says the engine itself is broken — as would, rarely, two poison requests
+whose failures interleave exactly.
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ class Isolation:
             if self._alone_failures[rid] >= self.max_alone_failures:
                 isolate = group
             else:
-                self._pending.insert(0, group)
+                self._pending.append(group)
         elif group:
             half = len(group) // 2
             ordered = sorted(group)
-            self._pending[:0] = [frozenset(ordered[:half]), frozenset(ordered[half:])]
+            # Breadth first: a failing group's halves go to the back of the queue, so
+            # the groups already waiting (often healthy) get their probe step first.
+            self._pending += [frozenset(ordered[:half]), frozenset(ordered[half:])]
         return self._next(isolate)
 
     def on_success(self, in_step: Collection[str]) -> Decision | None:

@@ -1,0 +1,75 @@
+"""Running the app under uvicorn with Kubernetes-style draining on SIGTERM/SIGINT.
+
+uvicorn's own shutdown stops listening at once, so a readiness probe could never see a
+"draining" state, and it re-raises the signal afterwards (exit status 143). Here the
+first SIGTERM (or Ctrl+C) only starts draining: admission closes, ``/health`` answers
+503 ``draining`` while ``/live`` stays 200, in-flight requests finish (up to
+``drain_timeout``, then they get a terminal error), and only then does uvicorn shut
+down; the process exits 0. A second signal shuts down at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from types import FrameType
+
+import anyio
+import uvicorn
+from starlette.applications import Starlette
+
+log = logging.getLogger(__name__)
+
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: Starlette, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._drain_timeout = drain_timeout
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # Like uvicorn's, minus re-raising the signal afterwards: a drained shutdown
+        # is a clean exit.
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in DRAIN_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        state = getattr(self._app.state, "server", None)
+        if self._draining or state is None or self._loop is None:
+            self.should_exit = True  # second signal, or nothing to drain: stop now
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        engine = self._app.state.server.engine
+        log.info("draining: admission closed, waiting up to %.0f s for in-flight requests",
+                 self._drain_timeout)
+        engine.begin_drain()
+        with anyio.move_on_after(self._drain_timeout) as scope:
+            await engine.finished.wait()
+        if scope.cancelled_caught:
+            log.warning("drain timeout: aborting the requests still in flight")
+            engine.abort()
+            await engine.finished.wait()
+        self.should_exit = True

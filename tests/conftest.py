@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.failpoints import FailPoints
+from mlx_serve.mlx_thread import MLXThread
+from mlx_serve.tiny_model import build_tiny_model
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@asynccontextmanager
+async def running_engine(
+    model_dir: Path,
+    *,
+    failpoints: str | None = None,
+    config: EngineConfig | None = None,
+    decode_batch_size: int = 32,
+) -> AsyncIterator[Engine]:
+    """An engine on the tiny model, its actor running in a task group; stopped on exit."""
+    from mlx_serve.runner import BatchLimits, load_runner
+
+    fp = FailPoints.from_spec(failpoints)
+    limits = BatchLimits(decode_batch_size=decode_batch_size, prefill_batch_size=8,
+                         prefill_step_size=64)
+    mlx = MLXThread()
+    engine = Engine(lambda: load_runner(str(model_dir), limits=limits, failpoints=fp),
+                    config or EngineConfig(max_running=decode_batch_size), mlx)
+    engine.failpoints = fp  # type: ignore[attr-defined]  # tests flip them at run time
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            with anyio.fail_after(60):
+                await engine.ready.wait()
+            yield engine
+            tg.cancel_scope.cancel()
+    finally:
+        fp.release()
+        mlx.stop(timeout=10)
+
+
+@pytest.fixture
+def tiny_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(tiny_model_dir, tmp_path / "server.log") as server:
+        yield server

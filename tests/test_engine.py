@@ -1,0 +1,123 @@
+"""The actor on the tiny model: batching, cancellation, back-pressure, actor death."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from mlx_serve.engine import EngineConfig, EngineState
+from mlx_serve.errors import EngineDeadError, OverloadedError
+from tests.conftest import running_engine
+from tests.engine_helpers import drain, generate, generate_all, make_request, prompts
+
+pytestmark = pytest.mark.anyio
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:
+    """Re-check a condition on every event-loop turn, bounded by ``timeout``."""
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.005)
+
+
+async def test_concurrent_requests_finish_with_exact_token_counts(tiny_model_dir):
+    async with running_engine(tiny_model_dir) as engine:
+        ps = prompts(engine, 12)
+        reqs = [make_request(p, max_tokens=3 + i) for i, p in enumerate(ps)]
+        results = await generate_all(engine, reqs)
+        assert [r.tokens for r in results] == [3 + i for i in range(12)]
+        assert all(r.finish == "length" and r.error is None for r in results)
+        assert engine.statistics().running == 0
+
+
+async def test_batched_output_equals_solo_output_at_temperature_zero(tiny_model_dir):
+    async with running_engine(tiny_model_dir) as engine:
+        ps = prompts(engine, 6)
+        solo = [await generate(engine, p, max_tokens=12) for p in ps]
+        together = await generate_all(engine, [make_request(p, max_tokens=12) for p in ps])
+        assert [r.text for r in together] == [r.text for r in solo]
+        assert len({r.text for r in solo}) > 1, "the tiny model should vary with the prompt"
+
+
+async def test_seeded_sampling_is_reproducible_inside_a_mixed_batch(tiny_model_dir):
+    async with running_engine(tiny_model_dir) as engine:
+        p = prompts(engine, 1)[0]
+        alone = await generate(engine, p, max_tokens=16, temperature=1.0, seed=42)
+        noise = [make_request(q, max_tokens=16, temperature=1.0) for q in prompts(engine, 5)]
+        mixed = await generate_all(
+            engine, [make_request(p, max_tokens=16, temperature=1.0, seed=42), *noise])
+        other_seed = await generate(engine, p, max_tokens=16, temperature=1.0, seed=7)
+        assert mixed[0].text == alone.text
+        assert other_seed.text != alone.text
+
+
+async def test_stop_string_across_tokens_ends_output_before_it(tiny_model_dir):
+    async with running_engine(tiny_model_dir) as engine:
+        p = prompts(engine, 1)[0]
+        full = await generate(engine, p, max_tokens=24)
+        stop = full.text[5:9]  # four characters, likely spanning a token boundary
+        cut = await generate(engine, p, max_tokens=24, stop=(stop,))
+        assert cut.finish == "stop"
+        assert cut.text == full.text[: full.text.index(stop)]
+
+
+async def test_client_that_disconnects_leaves_the_batch(tiny_model_dir):
+    async with running_engine(tiny_model_dir) as engine:
+        p = prompts(engine, 1)[0]
+        handle = engine.submit(make_request(p, max_tokens=1000))
+        async for _ in handle:
+            break  # one delta arrived: the request is decoding
+        assert engine.statistics().running == 1
+        handle.close()
+        await wait_until(lambda: engine.statistics().running == 0)
+        assert (await generate(engine, p, max_tokens=4)).tokens == 4
+
+
+async def test_queued_request_whose_client_left_is_never_run(tiny_model_dir):
+    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
+                              decode_batch_size=1) as engine:
+        first = engine.submit(make_request(prompts(engine, 1)[0], max_tokens=2))
+        with anyio.fail_after(10):
+            while not engine.failpoints.wait_hanging("engine.step", timeout=0):
+                await anyio.sleep(0.005)
+        queued = engine.submit(make_request(prompts(engine, 1)[0], max_tokens=2))
+        queued.close()
+        engine.failpoints.release()
+        assert (await drain(first)).tokens == 2
+        await wait_until(lambda: engine.idle)
+        assert engine.statistics().steps <= 4
+
+
+async def test_full_inbox_answers_at_once(tiny_model_dir):
+    config = EngineConfig(max_running=1, max_queue=2)
+    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
+                              config=config, decode_batch_size=1) as engine:
+        p = prompts(engine, 1)[0]
+        handles = [engine.submit(make_request(p, max_tokens=2))]
+        with anyio.fail_after(10):
+            while not engine.failpoints.wait_hanging("engine.step", timeout=0):
+                await anyio.sleep(0.005)
+        handles += [engine.submit(make_request(p, max_tokens=2)) for _ in range(2)]
+        with pytest.raises(OverloadedError) as info:
+            engine.submit(make_request(p, max_tokens=2))
+        assert info.value.status_code == 429 and info.value.retry_after
+        engine.failpoints.release()
+        results = [await drain(h) for h in handles]
+        assert [r.tokens for r in results] == [2, 2, 2]
+
+
+async def test_actor_end_fails_every_open_request_and_refuses_new_ones(tiny_model_dir):
+    async with running_engine(tiny_model_dir, failpoints="engine.step=2*off->hang") as engine:
+        p = prompts(engine, 1)[0]
+        handles = [engine.submit(make_request(p, max_tokens=50)) for _ in range(3)]
+        with anyio.fail_after(10):
+            while not engine.failpoints.wait_hanging("engine.step", timeout=0):
+                await anyio.sleep(0.005)
+        engine.failpoints.release()
+        engine.failpoints.set("engine.step", "raise(RuntimeError:boom)")
+        results = [await drain(h) for h in handles]
+        assert all(isinstance(r.error, EngineDeadError) or r.error is not None
+                   for r in results)
+        assert engine.state is EngineState.FAILED
+        with pytest.raises(EngineDeadError):
+            engine.submit(make_request(p))

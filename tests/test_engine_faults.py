@@ -1,0 +1,115 @@
+"""Containment and recovery inside the actor, driven by fail points on the tiny model."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from mlx_serve.engine import EngineConfig, EngineState
+from mlx_serve.errors import EngineDeadError, GenerationError, StepTimeoutError
+from tests.conftest import running_engine
+from tests.engine_helpers import drain, generate, generate_all, make_request, prompts
+
+pytestmark = pytest.mark.anyio
+
+MALLOC = "RuntimeError:[metal::malloc] Resource limit (499000) exceeded"
+
+
+async def reference(model_dir, count: int, max_tokens: int = 16) -> list[str]:
+    async with running_engine(model_dir) as engine:
+        reqs = [make_request(p, max_tokens=max_tokens) for p in prompts(engine, count)]
+        return [r.text for r in await generate_all(engine, reqs)]
+
+
+@pytest.mark.parametrize("spec", ["engine.step=5*off->1*raise(RuntimeError:boom)",
+                                  f"engine.step=4*off->3*raise({MALLOC})"])
+async def test_failed_steps_are_replayed_without_changing_any_output(tiny_model_dir, spec):
+    expected = await reference(tiny_model_dir, 8)
+    async with running_engine(tiny_model_dir, failpoints=spec) as engine:
+        reqs = [make_request(p, max_tokens=16) for p in prompts(engine, 8)]
+        results = await generate_all(engine, reqs)
+        stats = engine.statistics()
+    assert [r.error for r in results] == [None] * 8
+    assert [r.text for r in results] == expected
+    assert [r.tokens for r in results] == [16] * 8
+    assert stats.recoveries >= 1 and stats.replays >= 8 and stats.isolated == 0
+    assert stats.state is EngineState.READY
+
+
+async def test_seeded_sampling_survives_replay_exactly(tiny_model_dir):
+    async with running_engine(tiny_model_dir) as engine:
+        p = prompts(engine, 1)[0]
+        clean = await generate(engine, p, max_tokens=20, temperature=0.9, seed=1234)
+    async with running_engine(tiny_model_dir,
+                              failpoints="engine.step=8*off->1*raise(RuntimeError:x)") as engine:
+        faulty = await generate(engine, p, max_tokens=20, temperature=0.9, seed=1234)
+        assert engine.statistics().recoveries == 1
+    assert faulty.text == clean.text
+
+
+async def test_poison_request_is_isolated_and_the_rest_complete_exactly(tiny_model_dir):
+    expected = await reference(tiny_model_dir, 8)
+    spec = "engine.step[user=poison]=raise(ValueError:poisoned)"
+    async with running_engine(tiny_model_dir, failpoints=spec) as engine:
+        reqs = [make_request(p, max_tokens=16, user="poison" if i == 3 else None)
+                for i, p in enumerate(prompts(engine, 8))]
+        results = await generate_all(engine, reqs)
+        stats = engine.statistics()
+        after = await generate(engine, prompts(engine, 1)[0], max_tokens=4)
+    assert isinstance(results[3].error, GenerationError)
+    healthy = [r for i, r in enumerate(results) if i != 3]
+    assert [r.text for r in healthy] == [t for i, t in enumerate(expected) if i != 3]
+    assert stats.isolated == 1 and stats.state is EngineState.READY
+    assert after.tokens == 4
+
+
+async def test_every_step_failing_ends_in_failed_with_every_request_answered(tiny_model_dir):
+    config = EngineConfig(max_failed_rebuilds=3)
+    async with running_engine(tiny_model_dir, failpoints="engine.step=raise(OSError:dead)",
+                              config=config) as engine:
+        reqs = [make_request(p, max_tokens=8) for p in prompts(engine, 6)]
+        results = await generate_all(engine, reqs)
+        assert engine.state is EngineState.FAILED
+        assert all(isinstance(r.error, EngineDeadError) for r in results)
+        assert engine.statistics().recoveries == 4  # the first failure + 3 failed rebuilds
+
+
+async def test_admission_failure_fails_only_that_request(tiny_model_dir):
+    spec = "engine.admit[user=bad]=raise(ValueError:cannot admit)"
+    async with running_engine(tiny_model_dir, failpoints=spec) as engine:
+        reqs = [make_request(p, max_tokens=6, user="bad" if i == 0 else None)
+                for i, p in enumerate(prompts(engine, 4))]
+        results = await generate_all(engine, reqs)
+    assert results[0].error is not None and results[0].error.status_code == 400
+    assert [r.tokens for r in results[1:]] == [6, 6, 6]
+
+
+async def test_a_step_past_its_deadline_wedges_then_recovers(tiny_model_dir):
+    config = EngineConfig(step_timeout=0.5)
+    async with running_engine(tiny_model_dir, failpoints="engine.step=3*off->1*hang",
+                              config=config) as engine:
+        handles = [engine.submit(make_request(p, max_tokens=50)) for p in prompts(engine, 3)]
+        results = [await drain(h) for h in handles]
+        assert all(isinstance(r.error, StepTimeoutError) for r in results)
+        assert engine.state is EngineState.WEDGED
+        assert engine.statistics().step_age >= 0.5
+        engine.failpoints.release()  # the stuck step returns
+        with anyio.fail_after(10):
+            while engine.state is not EngineState.READY:
+                await anyio.sleep(0.01)
+        assert (await generate(engine, prompts(engine, 1)[0], max_tokens=5)).tokens == 5
+
+
+async def test_requests_with_and_without_logits_processors_share_prefill(tiny_model_dir):
+    """mlx-lm #1505: one request without and one with penalties finishing prefill in the
+    same step used to kill mlx_lm.server's generation thread."""
+    async with running_engine(tiny_model_dir) as engine:
+        tok = engine.runner.tokenizer
+        long_prompt = tok.encode("a long prompt without any penalty " * 20)
+        short_prompt = tok.encode("short prompt with a penalty " * 3)
+        plain = make_request(long_prompt, max_tokens=12)
+        penalised = make_request(short_prompt, max_tokens=12, repetition_penalty=1.3,
+                                 presence_penalty=0.5, logit_bias=((5, 2.0),))
+        results = await generate_all(engine, [plain, penalised])
+        assert [(r.tokens, r.error) for r in results] == [(12, None), (12, None)]
+        assert engine.state is EngineState.READY

@@ -1,0 +1,61 @@
+"""The isolation policy on its own: which requests go into the next batch after faults."""
+
+from mlx_serve.recovery import Isolation
+
+ALL = {"a", "b", "c", "d"}
+
+
+def test_a_single_failure_replays_everything():
+    iso = Isolation(max_failed_rebuilds=3)
+    decision = iso.on_failure(ALL)
+    assert decision.batch is None and not decision.fatal and not decision.isolate
+    assert iso.on_success(ALL) is None
+    assert not iso.recovering
+
+
+def run_until_settled(iso: Isolation, live: set[str], poison: str, limit: int = 40):
+    """Simulate steps where any batch holding ``poison`` fails; return isolated ids."""
+    isolated: set[str] = set()
+    batch: frozenset[str] | None = None
+    for _ in range(limit):
+        members = set(batch) if batch is not None else live - isolated
+        if poison in members:
+            decision = iso.on_failure(members)
+        else:
+            decision = iso.on_success(members)
+            if decision is None and not iso.recovering:
+                return isolated
+        if decision is not None:
+            assert not decision.fatal
+            isolated |= decision.isolate
+            batch = decision.batch
+    raise AssertionError("the policy did not settle")
+
+
+def test_bisection_isolates_exactly_the_poison_request():
+    live = {f"r{i}" for i in range(8)}
+    iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2)
+    assert run_until_settled(iso, live, poison="r5") == {"r5"}
+    assert iso.failure_streak == 0
+
+
+def test_failure_streak_never_reaches_fatal_for_one_poison_in_a_large_batch():
+    live = {f"r{i:02d}" for i in range(32)}
+    for poison in ("r00", "r17", "r31"):
+        iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2)
+        assert run_until_settled(iso, set(live), poison=poison) == {poison}
+
+
+def test_every_step_failing_is_fatal_after_the_rebuild_budget():
+    iso = Isolation(max_failed_rebuilds=3)
+    decisions = [iso.on_failure(ALL) for _ in range(4)]
+    assert [d.fatal for d in decisions] == [False, False, False, True]
+
+
+def test_finished_requests_leave_pending_groups():
+    iso = Isolation(max_failed_rebuilds=5)
+    iso.on_failure(ALL)
+    first = iso.on_failure(ALL)  # the replay failed too: bisect
+    assert first.batch is not None and first.batch < ALL
+    iso.forget(ALL - first.batch)
+    assert iso.on_success(first.batch).batch is None  # nothing else left to probe
