@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 
+from mlx_serve.blas import openblas_active
 from mlx_serve.config import Settings
 from mlx_serve.engine import Engine, EngineConfig, EngineState
 from mlx_serve.failpoints import FailPoints
@@ -44,8 +45,16 @@ def make_loader(settings: Settings, failpoints: FailPoints) -> Any:
     def load() -> Any:
         from mlx_serve.runner import BatchLimits, load_runner
 
+        dequantize = settings.dequantize_default_model
+        if dequantize is None:
+            dequantize = openblas_active()
+        if openblas_active():
+            log.info("OpenBLAS is active: float32 matmuls use it")
+        if settings.model is None:
+            form = "float32 (fast with OpenBLAS)" if dequantize else "4-bit"
+            log.info("serving the embedded default model as %s", form)
         path, _ = resolve_model(settings.model, settings.cache_dir, progress=log.info,
-                                dequantize=bool(settings.dequantize_default_model))
+                                dequantize=dequantize)
         log.info("loading model from %s", path)
         limits = BatchLimits(settings.decode_batch_size, settings.prefill_batch_size,
                              settings.prefill_step_size)

@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
+from mlx_serve.blas import reexec_with_openblas
 from mlx_serve.config import Settings
 
 
@@ -48,11 +49,13 @@ def settings_from_args(argv: Sequence[str] | None) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         settings = settings_from_args(argv)
     except ValidationError as exc:
         print(f"mlx-serve: invalid settings:\n{exc}", file=sys.stderr)
         return 2
+    reexec_with_openblas(argv, settings.openblas)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mlx_serve.app import create_app

@@ -34,7 +34,10 @@ class Settings(BaseSettings):
     cache_dir: Path | None = Field(None, description="where the default model is converted to")
     dequantize_default_model: bool | None = Field(
         None,
-        description="serve the default model as float32 (default: on for Linux CPU with OpenBLAS)",
+        description="serve the default model as float32 (default: on when OpenBLAS is active)",
+    )
+    openblas: bool | None = Field(
+        None, description="preload Debian's OpenBLAS on Linux (default: when installed)"
     )
 
     decode_batch_size: int = Field(32, ge=1, description="requests decoded together per step")

@@ -83,7 +83,7 @@ async def chat_completions(request: Request) -> Response:
     body = parse(ChatCompletionRequest, await read_json(request, state.settings.max_body_bytes))
     model = _check_model(state, body.model)
     engine = _ready_engine(state)
-    gen = await build_chat_request(body, engine.runner, state.settings, _request_id())
+    gen = await build_chat_request(body, engine.runner, state.settings, _request_id("chatcmpl"))
     return await _reply(request, state, body, gen, chat=True, model=model)
 
 
@@ -92,7 +92,8 @@ async def completions(request: Request) -> Response:
     body = parse(CompletionRequest, await read_json(request, state.settings.max_body_bytes))
     model = _check_model(state, body.model)
     engine = _ready_engine(state)
-    gen = await build_completion_request(body, engine.runner, state.settings, _request_id())
+    gen = await build_completion_request(body, engine.runner, state.settings,
+                                         _request_id("cmpl"))
     return await _reply(request, state, body, gen, chat=False, model=model)
 
 
@@ -108,8 +109,8 @@ async def _reply(request, state, body, gen, *, chat: bool, model: str) -> Respon
     return JSONResponse(result)
 
 
-def _request_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def _request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 async def list_models(request: Request) -> Response:
