@@ -59,3 +59,22 @@ def test_finished_requests_leave_pending_groups():
     assert first.batch is not None and first.batch < ALL
     iso.forget(ALL - first.batch)
     assert iso.on_success(first.batch).batch is None  # nothing else left to probe
+
+
+def test_isolating_the_culprit_restarts_the_streak_but_endless_culprits_are_fatal():
+    iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2)
+    outcomes = []
+    for rid in ("p1", "p2", "p3"):  # one request at a time, every step failing
+        decisions = [iso.on_failure({rid}) for _ in range(3)]
+        outcomes.append((decisions[-1].isolate, decisions[-1].fatal))
+        assert not any(d.fatal for d in decisions[:-1])
+    assert outcomes == [({"p1"}, False), ({"p2"}, False), ({"p3"}, True)]
+
+
+def test_a_good_step_forgives_earlier_isolations():
+    iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2)
+    for rid in ("p1", "p2"):
+        for _ in range(3):
+            iso.on_failure({rid})
+        assert iso.on_success({"healthy"}) is None
+    assert iso.isolations_in_a_row == 0

@@ -318,8 +318,7 @@ class Engine:
     async def _apply(self, decision: Decision, error: BaseException | None) -> None:
         if decision.fatal:
             raise _EngineFailed(
-                f"{self._config.max_failed_rebuilds} rebuilds in a row failed; last error: "
-                f"{type(error).__name__}: {error}"
+                f"steps keep failing after rebuilds; last error: {type(error).__name__}: {error}"
             )
         for rid in decision.isolate:
             self._counts["isolated"] += 1

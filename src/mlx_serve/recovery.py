@@ -11,7 +11,9 @@ single poison request always lets a healthy probe through right after a failing 
 ``failure_streak`` (failed steps since the last good one) stays at most 3: the first
 failure, the replay, one probe. A longer streak (``1 + max_failed_rebuilds`` with the
 default of 3) says the engine itself is broken — as would, rarely, two poison requests
-whose failures interleave exactly.
+whose failures interleave exactly. Isolating the culprit restarts the streak; but
+``max_failed_rebuilds`` isolations in a row with no good step between them also say the
+engine is broken (every request looks guilty).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Isolation:
     max_failed_rebuilds: int = 3
     max_alone_failures: int = 2
     failure_streak: int = 0
+    isolations_in_a_row: int = 0  # isolations with no good step between them
     _replayed: bool = False
     _probing: frozenset[str] | None = None
     _pending: list[frozenset[str]] = field(default_factory=list)
@@ -58,6 +61,12 @@ class Isolation:
             self._alone_failures[rid] = self._alone_failures.get(rid, 0) + 1
             if self._alone_failures[rid] >= self.max_alone_failures:
                 isolate = group
+                # Finding the culprit is progress: the streak starts again. But if every
+                # request we try turns out to be a "culprit", the engine is what's broken.
+                self.failure_streak = 0
+                self.isolations_in_a_row += 1
+                if self.isolations_in_a_row >= self.max_failed_rebuilds:
+                    return Decision(batch=None, isolate=isolate, fatal=True)
             else:
                 self._pending.append(group)
         elif group:
@@ -71,6 +80,7 @@ class Isolation:
     def on_success(self, in_step: Collection[str]) -> Decision | None:
         """A step succeeded. Returns a new batch decision, or None to keep going as is."""
         self.failure_streak = 0
+        self.isolations_in_a_row = 0
         if self._probing is None and not self._pending:
             self._replayed = False
             return None

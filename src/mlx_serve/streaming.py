@@ -112,19 +112,23 @@ async def collect(handle: RequestHandle, shape: ReplyShape, request: Request) ->
     """Wait for a whole reply; a client that disconnects meanwhile cancels the request."""
     parts: list[str] = []
     completion_tokens = 0
+    outcome: dict | MLXServeError = {}  # stays empty only if the client went away
     async with handle, anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
         async for event in handle:
             if isinstance(event, Failure):
-                raise event.error
+                outcome = event.error
+                break
             parts.append(event.text)
             completion_tokens += event.token_count
             if event.finish_reason is not None:
-                tg.cancel_scope.cancel()
-                return shape.completion("".join(parts), event.finish_reason.value,
-                                        completion_tokens)
-    # Only reached when the client went away: nobody will read this response.
-    return {}
+                outcome = shape.completion("".join(parts), event.finish_reason.value,
+                                           completion_tokens)
+                break
+        tg.cancel_scope.cancel()
+    if isinstance(outcome, MLXServeError):
+        raise outcome  # outside the task group, so it is not wrapped in a group
+    return outcome
 
 
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
