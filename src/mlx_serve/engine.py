@@ -85,6 +85,15 @@ class EngineStatistics:
         }
 
 
+@dataclass(frozen=True)
+class _Step:
+    """A step submitted to the MLX thread."""
+
+    future: asyncio.Future[StepOutcome]
+    in_step: frozenset[str]  # the requests taking part, for blame if it fails
+    started: float
+
+
 class _EngineFailed(Exception):
     """Recovery gave up: the engine cannot step any more."""
 
@@ -204,13 +213,18 @@ class Engine:
             if not self._draining:
                 self._state = EngineState.READY
             self.ready.set()
-            while await self._wait_for_work():
-                admissions = self._take_admissions()
-                cancellations = self._take_cancellations()
-                in_step = self._in_batch(admissions)
-                outcome = await self._timed_step(admissions, cancellations)
-                if outcome is not None:
-                    await self._handle(outcome, in_step)
+            step: _Step | None = None
+            while step is not None or await self._wait_for_work():
+                step = step or self._launch_step()
+                outcome = await self._await_step(step)
+                if outcome is None:  # wedged, and already dealt with
+                    step = None
+                    continue
+                finished_step = step
+                # Overlap: the MLX thread starts the next step while this one's deltas
+                # are fanned out and the event loop writes them to clients.
+                step = self._launch_step() if self._can_overlap(outcome) else None
+                await self._handle(outcome, finished_step.in_step)
         except _EngineFailed as exc:
             log.critical("the generation engine failed for good: %s", exc)
             self._state, self._error = EngineState.FAILED, str(exc)
@@ -267,20 +281,33 @@ class Engine:
             return self._batch & self._open.keys()
         return frozenset(self._open)
 
-    async def _timed_step(
-        self, admissions: list[GenerationRequest], cancellations: list[str]
-    ) -> StepOutcome | None:
-        """One step on the MLX thread, never abandoned; a late one wedges the engine."""
-        future = asyncio.wrap_future(self._mlx.submit(self.runner.step, admissions, cancellations))
-        self._step_started = time.monotonic()
+    def _launch_step(self) -> _Step:
+        admissions = self._take_admissions()
+        cancellations = self._take_cancellations()
+        in_step = self._in_batch(admissions)
+        job = self._mlx.submit(self.runner.step, admissions, cancellations)
+        return _Step(asyncio.wrap_future(job), in_step, time.monotonic())
+
+    def _can_overlap(self, outcome: StepOutcome) -> bool:
+        """Only in plain serving, and only when some request goes on after this step."""
+        if outcome.error is not None or self._batch is not None or self._isolation.recovering:
+            return False
+        ending = {rid for rid, d in outcome.deltas if d.finish_reason is not None}
+        ending.update(rid for rid, _ in outcome.failed)
+        return len(self._open) > len(ending & self._open.keys())
+
+    async def _await_step(self, step: _Step) -> StepOutcome | None:
+        """Wait for a step, never abandoning it; one past its deadline wedges the engine."""
+        self._step_started = step.started
+        remaining = self._config.step_timeout - (time.monotonic() - step.started)
         try:
             with anyio.CancelScope(shield=True):
-                with anyio.move_on_after(self._config.step_timeout):
+                with anyio.move_on_after(remaining):
                     try:
-                        return await asyncio.shield(future)
+                        return await asyncio.shield(step.future)
                     except Exception as exc:  # a fault outside the runner's own guard
                         return StepOutcome(error=exc)
-                await self._wedged(future)
+                await self._wedged(step.future)
                 return None
         finally:
             self._step_started = None
