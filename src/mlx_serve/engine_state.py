@@ -1,0 +1,52 @@
+"""The engine's states, settings and statistics snapshot: plain values, no behaviour."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class EngineState(enum.StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    RECOVERING = "recovering"
+    DRAINING = "draining"
+    WEDGED = "wedged"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+# States in which the process is still worth keeping alive (liveness).
+ALIVE_STATES = {EngineState.LOADING, EngineState.READY, EngineState.RECOVERING,
+                EngineState.DRAINING}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int = 32
+    max_queue: int = 256
+    step_timeout: float = 120.0
+    max_failed_rebuilds: int = 3
+    max_request_failures: int = 2
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    state: EngineState
+    running: int
+    waiting: int
+    steps: int
+    recoveries: int
+    replays: int
+    isolated: int
+    step_age: float
+    error: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value, "running": self.running, "waiting": self.waiting,
+            "steps": self.steps, "recoveries": self.recoveries, "replays": self.replays,
+            "isolated": self.isolated, "step_age_s": round(self.step_age, 3),
+            "error": self.error,
+        }
