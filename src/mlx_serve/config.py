@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -50,6 +51,10 @@ class Settings(BaseSettings):
         None, ge=1, description="max_tokens when a request names none (default: rest of context)"
     )
 
+    max_n: int = Field(16, ge=1, le=128, description="most choices (n x prompts) per request")
+    reasoning_format: Literal["reasoning", "reasoning_content", "both"] = Field(
+        "reasoning", description="reply field(s) that carry a thinking model's reasoning"
+    )
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
 
     step_timeout: float = Field(120.0, gt=0, description="seconds before a step counts as wedged")

@@ -115,17 +115,27 @@ class Engine:
 
     # -- producers' side: synchronous, never waits on the actor ----------------------------
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
+    def submit(self, *requests: GenerationRequest) -> RequestHandle:
+        """Queue requests that share one reply stream (the choices of one HTTP request).
+
+        Events on the stream carry their request's ``index``; the stream ends once every
+        request has had its terminal event.
+        """
         if self._state not in (EngineState.READY, EngineState.RECOVERING):
             raise self.unavailable_error()
         reply, events = anyio.create_memory_object_stream[ReplyEvent](math.inf)
-        try:
-            self._inbox_send.send_nowait(_Open(request, reply))
-        except anyio.WouldBlock:
-            raise OverloadedError("the server is at capacity; retry shortly") from None
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            raise EngineDeadError("the generation engine has stopped") from None
-        return RequestHandle(request.request_id, events)
+        handle = RequestHandle(requests[0].request_id, events)
+        with reply:  # each queued request holds its own clone of the sending side
+            try:
+                for request in requests:
+                    self._inbox_send.send_nowait(_Open(request, reply.clone()))
+            except anyio.WouldBlock:
+                handle.close()  # any already queued sibling is dropped as "client gone"
+                raise OverloadedError("the server is at capacity; retry shortly") from None
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                handle.close()
+                raise EngineDeadError("the generation engine has stopped") from None
+        return handle
 
     def statistics(self) -> EngineStatistics:
         started = self._step_started
@@ -356,6 +366,8 @@ class Engine:
 
 def _answer(entry: _Open, event: ReplyEvent) -> None:
     """Send a terminal event and close the reply stream; a departed client is fine."""
+    if isinstance(event, Failure) and event.index != entry.request.index:
+        event = Failure(event.error, entry.request.index)
     try:
         entry.reply.send_nowait(event)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError):

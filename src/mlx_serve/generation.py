@@ -26,6 +26,7 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def has_logits_processors(self) -> bool:
@@ -38,11 +39,33 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """What to report besides text. None of it changes which tokens are sampled."""
+
+    logprobs: int | None = None  # None: off; k >= 0: chosen token plus k alternatives
+    split_reasoning: bool = False  # route thinking/tool-call spans apart (chat only)
+    initial_state: str = "normal"  # "reasoning" when the prompt opened a thinking span
+    # A compiled response format (runner.structured.CompiledFormat): it does change the
+    # sampled tokens, but only the runner knows how to apply it.
+    response_format: object | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
     user: str | None = None
+    index: int = 0  # the choice this sequence answers (n > 1, several prompts)
+    output: OutputOptions = OutputOptions()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +75,10 @@ class Delta:
     text: str
     token_count: int
     finish_reason: FinishReason | None = None
+    index: int = 0
+    reasoning: str = ""
+    tool_calls: tuple[str, ...] = ()  # raw text of each tool call completed in this step
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +86,7 @@ class Failure:
     """The terminal event of a request that could not be completed."""
 
     error: MLXServeError
+    index: int = 0
 
 
 # What a reply stream carries: any number of Deltas, then exactly one terminal event

@@ -16,6 +16,10 @@ UNSUPPORTED_FIELDS = frozenset({
     "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
     "functions", "function_call", "verbosity",
 })
+# Template arguments a client may pass through ``chat_template_kwargs``. ``tokenize`` and
+# friends are ours to decide; anything unknown would be silently meaningless.
+CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort",
+                                  "add_generation_prompt_suffix", "documents"})
 # OpenAI fields that are accepted and change nothing about the generated text.
 ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls"})
 
@@ -39,8 +43,10 @@ class _Request(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=128)] = 1
     user: str | None = None
+    # vLLM extension: token ids that end generation like an end-of-sequence token.
+    stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -54,17 +60,50 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: dict[str, str]
 
 
 class ResponseFormat(BaseModel):
@@ -78,18 +117,25 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Where reasoning goes in replies (vendor field, as llama.cpp's server has it).
+    reasoning_format: Literal["reasoning", "reasoning_content", "both"] | None = None
 
 
 class CompletionRequest(_Request):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[
-        list[str], Field(min_length=1)
-    ]
+    prompt: (
+        str
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=128)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]],
+                    Field(min_length=1, max_length=128)]
+    )
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 _Request.model_rebuild()

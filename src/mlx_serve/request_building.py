@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> GenerationRequest: field policy, prompt rendering, limits.
+"""OpenAI request bodies -> GenerationRequests: field policy, prompt rendering, limits.
 
 Field policy: an OpenAI field that would change the output is honoured or rejected with
 a 400; fields that change nothing are accepted; unknown vendor fields are ignored with a
@@ -7,14 +7,17 @@ logged warning, as vLLM does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from mlx_serve.config import Settings
 from mlx_serve.errors import ContextLengthExceededError, RequestError, UnsupportedParameterError
-from mlx_serve.generation import GenerationRequest, SamplingParams
+from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
+from mlx_serve.prompts import render_chat
 from mlx_serve.protocol import (
     ACCEPTED_NO_EFFECT,
     UNSUPPORTED_FIELDS,
@@ -25,69 +28,67 @@ from mlx_serve.protocol import (
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """The engine requests for one HTTP request, and what the reply needs to know."""
+
+    requests: tuple[GenerationRequest, ...]
+    prompt_tokens: int
+    logprobs: int | None = None
+    tools: list[dict] | None = None
+    reasoning_format: str = "reasoning"
+
+
 def _unsupported(param: str, why: str = "is not supported by this server") -> None:
     raise UnsupportedParameterError(f"'{param}' {why}", param=param)
 
 
-def check_extra_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
+def check_extra_fields(body: ChatCompletionRequest | CompletionRequest, settings: Settings
+                       ) -> None:
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED_FIELDS:
             if value not in (None, False, [], {}):
                 _unsupported(name)
         elif name not in ACCEPTED_NO_EFFECT:
             log.warning("ignoring unknown request field %r", name)
-    if body.n != 1:
-        _unsupported("n", "must be 1 (several choices are not supported yet)")
-
-
-def check_chat_fields(body: ChatCompletionRequest) -> None:
-    if body.logprobs or body.top_logprobs:
-        _unsupported("logprobs" if body.logprobs else "top_logprobs")
-    if body.response_format is not None and body.response_format.type != "text":
-        _unsupported("response_format", f"type '{body.response_format.type}' is not supported")
-    if body.tools:
-        _unsupported("tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        _unsupported("tool_choice")
+    if body.n > settings.max_n:
+        _unsupported("n", f"must be at most {settings.max_n}")
 
 
 def check_completion_fields(body: CompletionRequest) -> None:
     if body.echo:
         _unsupported("echo")
-    if body.best_of not in (None, 1):
-        _unsupported("best_of", "must be 1")
+    if body.best_of not in (None, 1, body.n):
+        _unsupported("best_of", "must equal n")
     if body.suffix:
         _unsupported("suffix")
-    if body.logprobs is not None:
-        _unsupported("logprobs")
 
 
 def sampling_params(
     body: ChatCompletionRequest | CompletionRequest,
     max_tokens: int | None,
     prompt_len: int,
-    context: int,
+    runner: Any,
     settings: Settings,
-    vocab_size: int,
 ) -> SamplingParams:
+    context = runner.context_length
     room = context - prompt_len
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if room < 1:
         raise ContextLengthExceededError(
             f"the prompt has {prompt_len} tokens; this model's context is {context}",
-            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-        )
+            param=param)
     if max_tokens is None:
         max_tokens = min(room, settings.default_max_tokens or room)
     elif prompt_len + max_tokens > context:
         raise ContextLengthExceededError(
             f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
-            f"context of {context} tokens",
-            param="max_tokens",
-        )
-    for token_id in body.logit_bias or {}:
-        if not 0 <= token_id < vocab_size:
-            raise RequestError(f"logit_bias token id {token_id} is out of range",
-                               param="logit_bias")
+            f"context of {context} tokens", param="max_tokens")
+    for field, ids in (("logit_bias", body.logit_bias or {}),
+                       ("stop_token_ids", body.stop_token_ids or ())):
+        if any(not 0 <= t < runner.vocab_size for t in ids):
+            raise RequestError(f"'{field}' holds a token id outside the vocabulary",
+                               param=field)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
@@ -101,61 +102,83 @@ def sampling_params(
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=tuple(sorted((body.logit_bias or {}).items())),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
     )
 
 
-def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None and not getattr(
-        tokenizer, "has_chat_template", False
-    ):
-        raise RequestError("this model has no chat template; use /v1/completions")
-    try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    except Exception as exc:  # template errors (e.g. a role the template refuses)
-        raise RequestError(f"the chat template rejected the messages: {exc}",
-                           param="messages") from None
+def choices(request_id: str, prompt: list[int], params: SamplingParams, n: int, first: int,
+            user: str | None, output: OutputOptions) -> list[GenerationRequest]:
+    """``n`` sequences for one prompt; seeded choices get seed, seed + 1, ..."""
+    out = []
+    for i in range(n):
+        p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+        out.append(GenerationRequest(f"{request_id}-{first + i}", tuple(prompt), p, user,
+                                     first + i, output))
+    return out
+
+
+async def compile_format(body: ChatCompletionRequest, runner: Any) -> object | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    return await anyio.to_thread.run_sync(runner.compile_response_format,
+                                          fmt.model_dump(exclude_none=True))
 
 
 async def build_chat_request(
     body: ChatCompletionRequest, runner: Any, settings: Settings, request_id: str
-) -> GenerationRequest:
-    check_extra_fields(body)
-    check_chat_fields(body)
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in body.messages
-    ]
-    # Tokenizing a long prompt is CPU work: keep it off the event loop.
-    prompt = await anyio.to_thread.run_sync(_render_chat, runner.tokenizer, messages)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(body, max_tokens, len(prompt), runner.context_length, settings,
-                             runner.vocab_size)
-    return GenerationRequest(request_id, tuple(prompt), params, body.user)
+) -> Prepared:
+    check_extra_fields(body, settings)
+    if body.top_logprobs and not body.logprobs:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    response_format = await compile_format(body, runner)
+    # Rendering a long prompt is CPU work: keep it off the event loop.
+    rendered = await anyio.to_thread.run_sync(render_chat, runner.tokenizer, body)
+    params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
+                             len(rendered.tokens), runner, settings)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    output = OutputOptions(logprobs=logprobs, split_reasoning=rendered.split_reasoning,
+                           initial_state=rendered.initial_state,
+                           response_format=response_format)
+    reqs = choices(request_id, rendered.tokens, params, body.n, 0, body.user, output)
+    reasoning_format = body.reasoning_format or settings.reasoning_format
+    return Prepared(tuple(reqs), len(rendered.tokens), logprobs, rendered.tools,
+                    reasoning_format)
 
 
 def _encode(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer.encode(prompt))
 
 
+async def _completion_prompts(body: CompletionRequest, runner: Any) -> list[list[int]]:
+    field = body.prompt
+    if isinstance(field, str):
+        field = [field]
+    if isinstance(field[0], int):
+        prompts = [list(field)]  # type: ignore[arg-type]
+    elif isinstance(field[0], list):
+        prompts = [list(p) for p in field]  # type: ignore[union-attr]
+    else:
+        if any(not p for p in field):
+            raise RequestError("'prompt' must not be empty", param="prompt")
+        prompts = [await anyio.to_thread.run_sync(_encode, runner.tokenizer, p)
+                   for p in field]
+    if any(not 0 <= t < runner.vocab_size for p in prompts for t in p):
+        raise RequestError("'prompt' holds a token id outside the vocabulary", param="prompt")
+    return prompts
+
+
 async def build_completion_request(
     body: CompletionRequest, runner: Any, settings: Settings, request_id: str
-) -> GenerationRequest:
-    check_extra_fields(body)
+) -> Prepared:
+    check_extra_fields(body, settings)
     check_completion_fields(body)
-    prompt_field = body.prompt
-    if isinstance(prompt_field, list) and isinstance(prompt_field[0], str):
-        if len(prompt_field) != 1:
-            _unsupported("prompt", "as a list of several strings is not supported yet")
-        prompt_field = prompt_field[0]
-    if isinstance(prompt_field, str):
-        if not prompt_field:
-            raise RequestError("'prompt' must not be empty", param="prompt")
-        prompt = await anyio.to_thread.run_sync(_encode, runner.tokenizer, prompt_field)
-    else:
-        prompt = list(prompt_field)
-        if any(not 0 <= t < runner.vocab_size for t in prompt):
-            raise RequestError("'prompt' holds a token id outside the vocabulary",
-                               param="prompt")
-    params = sampling_params(body, body.max_tokens, len(prompt), runner.context_length,
-                             settings, runner.vocab_size)
-    return GenerationRequest(request_id, tuple(prompt), params, body.user)
+    prompts = await _completion_prompts(body, runner)
+    if len(prompts) * body.n > settings.max_n:
+        _unsupported("prompt", f"times n may make at most {settings.max_n} choices")
+    output = OutputOptions(logprobs=body.logprobs)
+    reqs: list[GenerationRequest] = []
+    for i, prompt in enumerate(prompts):  # OpenAI numbers choices prompt by prompt
+        params = sampling_params(body, body.max_tokens, len(prompt), runner, settings)
+        reqs += choices(request_id, prompt, params, body.n, i * body.n, body.user, output)
+    return Prepared(tuple(reqs), sum(len(p) for p in prompts), body.logprobs)

@@ -21,9 +21,10 @@ from mlx_serve.errors import (
     RequestError,
 )
 from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
-from mlx_serve.request_building import build_chat_request, build_completion_request
+from mlx_serve.replies import ReplyShape
+from mlx_serve.request_building import Prepared, build_chat_request, build_completion_request
 from mlx_serve.server_state import ServerState
-from mlx_serve.streaming import ReplyShape, collect, sse_events
+from mlx_serve.streaming import collect, sse_events
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -83,8 +84,9 @@ async def chat_completions(request: Request) -> Response:
     body = parse(ChatCompletionRequest, await read_json(request, state.settings.max_body_bytes))
     model = _check_model(state, body.model)
     engine = _ready_engine(state)
-    gen = await build_chat_request(body, engine.runner, state.settings, _request_id("chatcmpl"))
-    return await _reply(request, state, body, gen, chat=True, model=model)
+    request_id = _request_id("chatcmpl")
+    prepared = await build_chat_request(body, engine.runner, state.settings, request_id)
+    return await _reply(request, state, body, prepared, request_id, chat=True, model=model)
 
 
 async def completions(request: Request) -> Response:
@@ -92,21 +94,27 @@ async def completions(request: Request) -> Response:
     body = parse(CompletionRequest, await read_json(request, state.settings.max_body_bytes))
     model = _check_model(state, body.model)
     engine = _ready_engine(state)
-    gen = await build_completion_request(body, engine.runner, state.settings,
-                                         _request_id("cmpl"))
-    return await _reply(request, state, body, gen, chat=False, model=model)
+    request_id = _request_id("cmpl")
+    prepared = await build_completion_request(body, engine.runner, state.settings, request_id)
+    return await _reply(request, state, body, prepared, request_id, chat=False, model=model)
 
 
-async def _reply(request, state, body, gen, *, chat: bool, model: str) -> Response:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    shape = ReplyShape(chat=chat, model=model, prompt_tokens=len(gen.prompt_tokens),
-                       include_usage=include_usage and body.stream, id=gen.request_id)
-    handle = state.engine.submit(gen)
+async def _reply(request: Request, state: ServerState, body: Any, prepared: Prepared,
+                 request_id: str, *, chat: bool, model: str) -> Response:
+    include_usage = bool(body.stream and body.stream_options and
+                         body.stream_options.include_usage)
+    tokenizer = state.engine.runner.tokenizer
+    shape = ReplyShape(chat=chat, model=model, prompt_tokens=prepared.prompt_tokens,
+                       include_usage=include_usage, logprobs=prepared.logprobs,
+                       reasoning_format=prepared.reasoning_format,
+                       tool_parser=getattr(tokenizer, "tool_parser", None) if prepared.tools
+                       else None, tools=prepared.tools, id=request_id)
+    handle = state.engine.submit(*prepared.requests)
+    choices = len(prepared.requests)
     if body.stream:
-        events = sse_events(handle, shape, state.failpoints, body.user)
+        events = sse_events(handle, shape, choices, state.failpoints, body.user)
         return EventSourceResponse(events, ping=state.settings.sse_ping_seconds)
-    result = await collect(handle, shape, request)
-    return JSONResponse(result)
+    return JSONResponse(await collect(handle, shape, choices, request))
 
 
 def _request_id(prefix: str) -> str:

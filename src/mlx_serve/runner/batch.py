@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machine
 
 from mlx_serve.failpoints import FailPoints
-from mlx_serve.generation import Delta, FinishReason, GenerationRequest, StepOutcome
+from mlx_serve.generation import Delta, GenerationRequest, StepOutcome
+from mlx_serve.runner.logprobs import TokenTexts, token_logprob
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
-from mlx_serve.stop_strings import StopStringMatcher
+from mlx_serve.runner.text import TextPipeline
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,11 @@ class BatchLimits:
 class _Live:
     """One request the runner is generating for (in the batch, or parked)."""
 
-    __slots__ = ("request", "detokenizer", "stops", "generated", "uid")
+    __slots__ = ("request", "text", "generated", "uid")
 
-    def __init__(self, request: GenerationRequest, detokenizer: Any) -> None:
+    def __init__(self, request: GenerationRequest, text: TextPipeline) -> None:
         self.request = request
-        self.detokenizer = detokenizer
-        self.stops = StopStringMatcher(request.params.stop)
+        self.text = text
         self.generated: list[int] = []
         self.uid: int | None = None
 
@@ -68,7 +68,12 @@ class Runner:
         self._failpoints = failpoints
         # Created on the MLX thread: MLX streams belong to the thread that made them.
         self._stream = mx.default_stream(mx.default_device())
-        self._eos = StopSequences([(t,) for t in sorted(tokenizer.eos_token_ids)])
+        self._eos_ids = tuple(sorted(tokenizer.eos_token_ids))
+        self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
+        has_markers = getattr(tokenizer, "has_thinking", False) or getattr(
+            tokenizer, "has_tool_calling", False)
+        self._text_machine = make_text_state_machine(tokenizer) if has_markers else None
+        self.token_texts = TokenTexts(tokenizer)
         self._live: dict[str, _Live] = {}
         self._by_uid: dict[int, _Live] = {}
         self._batch = self._new_batch()
@@ -125,6 +130,21 @@ class Runner:
         """Drop requests for good (finished elsewhere, failed or isolated)."""
         self._remove(request_ids)
 
+    def compile_response_format(self, response_format: dict) -> object:
+        """Compile an OpenAI ``response_format`` for this tokenizer (any thread)."""
+        from mlx_serve.errors import RequestError, UnsupportedParameterError
+
+        try:
+            from mlx_serve.runner.structured import StructuredOutputError, compile_response_format
+        except ImportError:
+            raise UnsupportedParameterError("structured output is not available",
+                                            param="response_format") from None
+        try:
+            return compile_response_format(self.tokenizer, response_format, self.vocab_size)
+        except StructuredOutputError as exc:
+            raise RequestError(f"invalid response_format: {exc}",
+                               param="response_format") from None
+
     def live_ids(self) -> list[str]:
         return list(self._live)
 
@@ -153,7 +173,8 @@ class Runner:
     def _admit(self, request: GenerationRequest) -> tuple[str, Exception] | None:
         try:
             self._failpoints.check("engine.admit", _user_set(request.user))
-            live = _Live(request, self.tokenizer.detokenizer)
+            text = TextPipeline(self.tokenizer.detokenizer, request, self._text_machine)
+            live = _Live(request, text)
             self._insert(live, list(request.prompt_tokens))
         except Exception as exc:
             return request.request_id, exc
@@ -162,15 +183,28 @@ class Runner:
 
     def _insert(self, live: _Live, prompt: list[int]) -> None:
         params = live.request.params
+        processors = make_request_processors(params)
+        fmt = live.request.output.response_format
+        if fmt is not None:  # a fresh matcher, fast-forwarded over what was generated
+            processors.append(fmt.make_processor_at(  # type: ignore[attr-defined]
+                len(live.request.prompt_tokens), live.generated))
         (uid,) = self._batch.insert(
             [prompt],
             max_tokens=[live.remaining],
             samplers=[make_request_sampler(params, len(live.generated))],
-            logits_processors=[make_request_processors(params)],
-            stop_sequences=[self._eos],
+            logits_processors=[processors],
+            stop_sequences=[self._stops_for(params.stop_token_ids)],
         )
         live.uid = uid
         self._by_uid[uid] = live
+
+    def _stops_for(self, extra: tuple[int, ...]) -> StopSequences:
+        """Stop sequences (EOS plus a request's stop token ids), shared between requests."""
+        stops = self._stop_sequences.get(extra)
+        if stops is None:
+            ids = sorted(set(self._eos_ids) | set(extra))
+            stops = self._stop_sequences[extra] = StopSequences([(t,) for t in ids])
+        return stops
 
     def _remove(self, request_ids: Collection[str]) -> None:
         uids = []
@@ -186,26 +220,18 @@ class Runner:
         return {u for live in self._by_uid.values() if (u := live.request.user) is not None}
 
     def _advance(self, live: _Live, response: Any) -> Delta:
-        """Account one generated token; return the text it releases."""
+        """Account one generated token; return what it adds to the reply."""
         live.generated.append(response.token)
-        detok = live.detokenizer
-        finish: FinishReason | None = None
-        if response.finish_reason == "stop":  # an end-of-sequence token: never shown
-            detok.finalize()
-            finish = FinishReason.STOP
-        else:
-            detok.add_token(response.token)
-            if response.finish_reason == "length":
-                detok.finalize()
-                finish = FinishReason.LENGTH
-        text, hit = live.stops.feed(detok.last_segment)
-        if hit:
-            finish = FinishReason.STOP
-        elif finish is not None:
-            text += live.stops.flush()
-        if finish is not None:
-            self._remove([live.request.request_id])
-        return Delta(text, 1, finish)
+        piece = live.text.advance(response.token, response.finish_reason)
+        request = live.request
+        logprobs: tuple = ()
+        k = request.output.logprobs
+        if k is not None and response.finish_reason != "stop":
+            logprobs = (token_logprob(self.token_texts, response.logprobs, response.token, k),)
+        if piece.finish is not None:
+            self._remove([request.request_id])
+        return Delta(piece.content, 1, piece.finish, request.index, piece.reasoning,
+                     piece.tool_calls, logprobs)
 
 
 def _user_set(user: str | None) -> set[str]:

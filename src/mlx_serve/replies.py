@@ -1,0 +1,188 @@
+"""OpenAI reply objects, built as plain dicts: chunks, whole completions, logprobs, tools.
+
+This is the per-token hot path of streaming: no pydantic validation of our own output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_serve.generation import Delta, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+def parse_tool_calls(parser: Any, tools: list[dict] | None, texts: tuple[str, ...]
+                     ) -> list[dict]:
+    """Raw tool-call spans -> OpenAI tool calls, using the model family's mlx-lm parser."""
+    calls = []
+    for text in texts:
+        try:
+            parsed = parser(text, tools)
+        except (ValueError, KeyError, TypeError) as exc:  # e.g. cut off by max_tokens
+            log.warning("could not parse a tool call (%s): %.200r", exc, text)
+            continue
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            arguments = call.get("arguments", {})
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            calls.append({"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                          "type": "function",
+                          "function": {"name": call["name"], "arguments": arguments}})
+    return calls
+
+
+def chat_logprob(t: TokenLogprob) -> dict:
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+            "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(b)}
+                             for s, b, lp in t.top]}
+
+
+@dataclass
+class Choice:
+    """One choice's progress: what was sent, and what a whole reply needs."""
+
+    index: int
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    text_length: int = 0
+    tokens: int = 0
+    finish: str | None = None
+
+
+@dataclass
+class ReplyShape:
+    """Everything about one HTTP request's reply that is fixed before generation."""
+
+    chat: bool
+    model: str
+    prompt_tokens: int
+    include_usage: bool = False
+    logprobs: int | None = None
+    reasoning_format: str = "reasoning"
+    tool_parser: Any = None
+    tools: list[dict] | None = None
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    # -- shared pieces -----------------------------------------------------------------
+
+    def absorb(self, choice: Choice, delta: Delta) -> list[dict]:
+        """Record a delta in ``choice``; return the tool calls it completed."""
+        choice.tokens += delta.token_count
+        choice.content.append(delta.text)
+        if delta.reasoning:
+            choice.reasoning.append(delta.reasoning)
+        calls = parse_tool_calls(self.tool_parser, self.tools, delta.tool_calls) \
+            if delta.tool_calls and self.tool_parser is not None else []
+        choice.tool_calls += calls
+        for t in delta.logprobs:
+            choice.offsets.append(choice.text_length)
+            choice.text_length += len(t.token)
+        choice.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            choice.finish = delta.finish_reason.value
+            if choice.finish == "stop" and choice.tool_calls:
+                choice.finish = "tool_calls"
+        return calls
+
+    def _reasoning_fields(self, text: str) -> dict[str, str]:
+        if self.reasoning_format == "both":
+            return {"reasoning": text, "reasoning_content": text}
+        return {self.reasoning_format: text}
+
+    def _logprobs_object(self, items: list[TokenLogprob], offsets: list[int]) -> dict | None:
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [chat_logprob(t) for t in items]}
+        return {"tokens": [t.token for t in items],
+                "token_logprobs": [t.logprob for t in items],
+                "top_logprobs": [{s: lp for s, _, lp in t.top} for t in items]
+                if self.logprobs else None,
+                "text_offset": offsets}
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": 0}}
+
+    def _object(self, chunk: bool) -> str:
+        if self.chat:
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+    # -- streaming -----------------------------------------------------------------------
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        body = {"id": self.id, "object": self._object(chunk=True), "created": self.created,
+                "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def role_chunk(self, index: int) -> dict:
+        return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
+
+    def delta_chunk(self, choice: Choice, delta: Delta, calls: list[dict]) -> dict | None:
+        """The chunk for one delta (None when it carries nothing to send)."""
+        logprobs = self._logprobs_object(list(delta.logprobs),
+                                         choice.offsets[len(choice.offsets)
+                                                        - len(delta.logprobs):])
+        finish = choice.finish
+        if self.chat:
+            body: dict[str, Any] = {}
+            if delta.text:
+                body["content"] = delta.text
+            if delta.reasoning:
+                body.update(self._reasoning_fields(delta.reasoning))
+            if calls:
+                first = len(choice.tool_calls) - len(calls)
+                body["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(calls)]
+            if not body and finish is None and not delta.logprobs:
+                return None
+            item = {"index": choice.index, "delta": body, "logprobs": logprobs,
+                    "finish_reason": finish}
+        else:
+            if not delta.text and finish is None and not delta.logprobs:
+                return None
+            item = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return self._envelope([item])
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return {"id": self.id, "object": self._object(chunk=True), "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage(completion_tokens)}
+
+    # -- whole replies -----------------------------------------------------------------
+
+    def completion(self, choices: list[Choice]) -> dict:
+        items = []
+        for c in sorted(choices, key=lambda c: c.index):
+            logprobs = self._logprobs_object(c.logprobs, c.offsets)
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant",
+                                           "content": "".join(c.content) or None}
+                if c.reasoning:
+                    message.update(self._reasoning_fields("".join(c.reasoning)))
+                if c.tool_calls:
+                    message["tool_calls"] = c.tool_calls
+                elif message["content"] is None:
+                    message["content"] = ""
+                items.append({"index": c.index, "message": message, "logprobs": logprobs,
+                              "finish_reason": c.finish})
+            else:
+                items.append({"index": c.index, "text": "".join(c.content),
+                              "logprobs": logprobs, "finish_reason": c.finish})
+        return {"id": self.id, "object": self._object(chunk=False), "created": self.created,
+                "model": self.model, "choices": items,
+                "usage": self.usage(sum(c.tokens for c in choices))}

@@ -1,0 +1,83 @@
+"""Per-request text: tokens -> detokenized text -> stop strings -> content/reasoning/tools.
+
+Runs on the MLX thread as part of each step, so the event loop only fans out finished
+text. Its state lives with the request and survives replay into a fresh batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.generate import TextStateMachine
+
+from mlx_serve.generation import FinishReason, GenerationRequest
+from mlx_serve.stop_strings import StopStringMatcher
+
+
+@dataclass(frozen=True, slots=True)
+class TextPiece:
+    content: str
+    reasoning: str
+    tool_calls: tuple[str, ...]
+    finish: FinishReason | None
+
+
+class TextPipeline:
+    __slots__ = ("_detok", "_stops", "_machine", "_state", "_prev", "_tool_text")
+
+    def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any) -> None:
+        self._detok = detokenizer
+        self._stops = StopStringMatcher(request.params.stop)
+        # The state machine strips thinking/tool-call markers (mlx-lm's, per tokenizer).
+        use_machine = request.output.split_reasoning and machine is not None
+        self._machine = machine if use_machine else None
+        initial = request.output.initial_state
+        self._state = machine.make_state(initial) if self._machine is not None else None
+        self._prev: str | None = initial
+        self._tool_text = ""
+
+    def advance(self, token: int, engine_finish: str | None) -> TextPiece:
+        """Account one token; ``engine_finish`` is mlx-lm's reason (an EOS is "stop")."""
+        finish: FinishReason | None = None
+        if engine_finish == "stop":  # an end-of-sequence token: never shown
+            self._detok.finalize()
+            finish = FinishReason.STOP
+        else:
+            self._detok.add_token(token)
+            if engine_finish == "length":
+                self._detok.finalize()
+                finish = FinishReason.LENGTH
+        text, hit = self._stops.feed(self._detok.last_segment)
+        if hit:
+            finish = FinishReason.STOP
+        elif finish is not None:
+            text += self._stops.flush()
+        if self._machine is None:
+            return TextPiece(text, "", (), finish)
+        return self._split(text, finish)
+
+    def _split(self, text: str, finish: FinishReason | None) -> TextPiece:
+        state, segments = TextStateMachine.split(self._state, text)
+        if finish is FinishReason.LENGTH:
+            state, flushed, current = TextStateMachine.flush(state)
+            segments.append((current, flushed))
+        elif finish is FinishReason.STOP:
+            state, _ = TextStateMachine.discard(state)  # a half-seen marker is not text
+        self._state = state
+        content, reasoning, calls = [], [], []
+        for name, piece in segments:
+            if name == "reasoning":
+                reasoning.append(piece)
+            elif name == "tool":
+                self._tool_text += piece
+            else:
+                if self._prev == "tool":
+                    calls.append(self._tool_text)
+                    self._tool_text = ""
+                content.append(piece)
+            self._prev = name
+        if finish is not None and self._prev == "tool" and self._tool_text:
+            calls.append(self._tool_text)  # cut off mid-call: the parser decides
+            self._tool_text = ""
+        return TextPiece("".join(content), "".join(reasoning), tuple(calls), finish)
