@@ -44,6 +44,28 @@ _CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# With ``agentic=True``: thinking and tool-call markers (as Qwen-style templates have
+# them) and a template that renders tools, tool calls and tool results, so mlx-lm
+# detects thinking and its "json_tools" parser.
+AGENTIC_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+_AGENTIC_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools:\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ 'Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set tool_call = call['function'] %}"
+    "{{ '<tool_call>' }}{{ {'name': tool_call.name, 'arguments': tool_call.arguments} | tojson }}"
+    "{{ '</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is not defined or enable_thinking %}{{ '<think>\n' }}{% endif %}"
+    "{% endif %}"
+)
+
 # A fixed training text for the BPE merges; changing it changes every token id.
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
@@ -72,10 +94,12 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
     max_position_embeddings: int = 2048,
+    agentic: bool = False,
 ) -> pathlib.Path:
     """Write a tiny llama model folder loadable by ``mlx_lm.load(dest)``; return ``dest``.
 
-    The same arguments always produce byte-identical files.
+    The same arguments always produce byte-identical files. ``agentic`` adds thinking and
+    tool-call marker tokens and a template that renders tools.
     """
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
@@ -91,7 +115,7 @@ def build_tiny_model(
         "num_key_value_heads": num_kv_heads,
         "head_dim": hidden_size // num_heads,
         "rms_norm_eps": 1e-5,
-        "vocab_size": _VOCAB_SIZE,
+        "vocab_size": _VOCAB_SIZE + (len(AGENTIC_TOKENS) if agentic else 0),
         "max_position_embeddings": max_position_embeddings,
         "rope_theta": 10000.0,
         "rope_traditional": False,
@@ -102,7 +126,7 @@ def build_tiny_model(
     }
     _write_json(dest / "config.json", config)
     _write_safetensors(dest / "model.safetensors", _random_weights(config, seed))
-    _write_tokenizer(dest)
+    _write_tokenizer(dest, agentic)
     return dest
 
 
@@ -159,7 +183,7 @@ def _write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> No
             out.write(blob)
 
 
-def _write_tokenizer(dest: pathlib.Path) -> None:
+def _write_tokenizer(dest: pathlib.Path, agentic: bool = False) -> None:
     from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
     from tokenizers.models import BPE
 
@@ -175,6 +199,8 @@ def _write_tokenizer(dest: pathlib.Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    if agentic:  # after training, so every other token id stays the same
+        tokenizer.add_special_tokens(list(AGENTIC_TOKENS))
     tokenizer.save(str(dest / "tokenizer.json"))
     tokenizer_config = {
         # The generic fast tokenizer: exactly the pipeline in tokenizer.json.
@@ -185,7 +211,7 @@ def _write_tokenizer(dest: pathlib.Path) -> None:
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 20,
-        "chat_template": _CHAT_TEMPLATE,
+        "chat_template": _AGENTIC_TEMPLATE if agentic else _CHAT_TEMPLATE,
     }
     _write_json(dest / "tokenizer_config.json", tokenizer_config)
 

@@ -1,0 +1,157 @@
+"""Tools, reasoning and the reply shapes for them, on a tiny model with marker tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from mlx_serve.generation import (
+    Delta,
+    FinishReason,
+    GenerationRequest,
+    OutputOptions,
+    SamplingParams,
+)
+from mlx_serve.replies import Choice, ReplyShape
+from mlx_serve.tiny_model import build_tiny_model
+from tests.server_process import ServerProcess
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+SCRIPT = ('Let me check.</think>Sure. <tool_call>{"name": "get_weather", '
+          '"arguments": {"city": "Paris"}}</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def agentic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("agentic") / "agentic", agentic=True)
+
+
+@pytest.fixture(scope="module")
+def agentic_tokenizer(agentic_dir: Path):
+    from mlx_lm import load
+
+    return load(str(agentic_dir))[1]
+
+
+def run_script(tokenizer, text: str, *, split: bool = True, finish: str = "stop"):
+    from mlx_serve.runner.text import TextPipeline
+    from mlx_lm.generate import make_text_state_machine
+
+    request = GenerationRequest("r", (1,), SamplingParams(max_tokens=100), output=OutputOptions(
+        split_reasoning=split, initial_state="reasoning"))
+    pipe = TextPipeline(tokenizer.detokenizer, request, make_text_state_machine(tokenizer))
+    tokens = tokenizer.encode(text, add_special_tokens=False) + [2]  # then <|im_end|>
+    pieces = [pipe.advance(t, finish if i == len(tokens) - 1 else None)
+              for i, t in enumerate(tokens)]
+    return pieces
+
+
+def test_reasoning_content_and_tool_calls_are_routed_apart(agentic_tokenizer):
+    pieces = run_script(agentic_tokenizer, SCRIPT)
+    assert "".join(p.reasoning for p in pieces) == "Let me check."
+    assert "".join(p.content for p in pieces) == "Sure. "
+    calls = [c for p in pieces for c in p.tool_calls]
+    assert len(calls) == 1 and json.loads(calls[0])["arguments"] == {"city": "Paris"}
+    assert pieces[-1].finish is FinishReason.STOP
+
+
+def test_without_splitting_the_markers_stay_in_the_text(agentic_tokenizer):
+    pieces = run_script(agentic_tokenizer, "a<think>b</think>c", split=False)
+    assert "".join(p.content for p in pieces) == "a<think>b</think>c"
+
+
+def shape_for(tokenizer, chat: bool = True, **kw) -> ReplyShape:
+    return ReplyShape(chat=chat, model="m", prompt_tokens=5, tool_parser=tokenizer.tool_parser,
+                      tools=TOOLS, **kw)
+
+
+def scripted_deltas(tokenizer) -> list[Delta]:
+    return [Delta(p.content, 1, p.finish, 0, p.reasoning, p.tool_calls)
+            for p in run_script(tokenizer, SCRIPT)]
+
+
+def test_whole_reply_with_tool_calls_validates_as_an_openai_chat_completion(agentic_tokenizer):
+    shape = shape_for(agentic_tokenizer)
+    choice = Choice(0)
+    for delta in scripted_deltas(agentic_tokenizer):
+        shape.absorb(choice, delta)
+    reply = ChatCompletion.model_validate(shape.completion([choice]))
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert message.content == "Sure. "
+    assert message.model_extra["reasoning"] == "Let me check."
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_streamed_tool_calls_validate_as_openai_chunks(agentic_tokenizer):
+    shape = shape_for(agentic_tokenizer, reasoning_format="reasoning_content")
+    choice = Choice(0)
+    chunks = []
+    for delta in scripted_deltas(agentic_tokenizer):
+        chunk = shape.delta_chunk(choice, delta, shape.absorb(choice, delta))
+        if chunk is not None:
+            chunks.append(ChatCompletionChunk.model_validate(chunk))
+    calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
+    reasoning = "".join(ch.choices[0].delta.model_extra.get("reasoning_content", "")
+                        for ch in chunks)
+    assert reasoning == "Let me check."
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def agentic_server(agentic_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("agentic-log") / "server.log"
+    with ServerProcess(agentic_dir, log) as server:
+        yield server
+
+
+def chat(server: ServerProcess, **body) -> httpx.Response:
+    body.setdefault("messages", [{"role": "user", "content": "What is the weather?"}])
+    body.setdefault("max_tokens", 6)
+    body.setdefault("temperature", 0)
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def test_thinking_models_return_reasoning_separately(agentic_server):
+    thinking = chat(agentic_server).json()
+    plain = chat(agentic_server, chat_template_kwargs={"enable_thinking": False}).json()
+    assert thinking["choices"][0]["message"]["reasoning"]  # the template opened <think>
+    assert "reasoning" not in plain["choices"][0]["message"]
+    assert plain["choices"][0]["message"]["content"]
+    assert plain["usage"]["prompt_tokens"] < thinking["usage"]["prompt_tokens"]
+
+
+def test_tools_and_tool_results_go_through_the_template(agentic_server):
+    without = chat(agentic_server).json()["usage"]["prompt_tokens"]
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    reply = chat(agentic_server, messages=history, tools=TOOLS, tool_choice="auto")
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] > without + 20
+    none = chat(agentic_server, tools=TOOLS, tool_choice="none").json()
+    assert none["usage"]["prompt_tokens"] == without  # tools left out of the prompt
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
+])
+def test_tool_and_template_fields_we_cannot_honour_are_400(agentic_server, body, param):
+    reply = chat(agentic_server, **body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == param
