@@ -40,8 +40,9 @@ def agentic_tokenizer(agentic_dir: Path):
 
 
 def run_script(tokenizer, text: str, *, split: bool = True, finish: str = "stop"):
-    from mlx_serve.runner.text import TextPipeline
     from mlx_lm.generate import make_text_state_machine
+
+    from mlx_serve.runner.text import TextPipeline
 
     request = GenerationRequest("r", (1,), SamplingParams(max_tokens=100), output=OutputOptions(
         split_reasoning=split, initial_state="reasoning"))
