@@ -31,6 +31,7 @@ async def running_engine(
     failpoints: str | None = None,
     config: EngineConfig | None = None,
     decode_batch_size: int = 32,
+    prefix_cache_bytes: int = 0,
 ) -> AsyncIterator[Engine]:
     """An engine on the tiny model, its actor running in a task group; stopped on exit."""
     from mlx_serve.runner import BatchLimits, load_runner
@@ -39,7 +40,8 @@ async def running_engine(
     limits = BatchLimits(decode_batch_size=decode_batch_size, prefill_batch_size=8,
                          prefill_step_size=64)
     mlx = MLXThread()
-    engine = Engine(lambda: load_runner(str(model_dir), limits=limits, failpoints=fp),
+    engine = Engine(lambda: load_runner(str(model_dir), limits=limits, failpoints=fp,
+                                        prefix_cache_bytes=prefix_cache_bytes),
                     config or EngineConfig(max_running=decode_batch_size), mlx)
     engine.failpoints = fp  # type: ignore[attr-defined]  # tests flip them at run time
     try:

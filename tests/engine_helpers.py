@@ -20,6 +20,7 @@ class Result:
     tokens: int
     finish: str | None
     error: MLXServeError | None = None
+    cached_tokens: int = 0
 
 
 def make_request(prompt: list[int], *, user: str | None = None, **params: object
@@ -39,7 +40,8 @@ async def drain(handle: RequestHandle) -> Result:
             text.append(event.text)
             tokens += event.token_count
             if event.finish_reason is not None:
-                return Result("".join(text), tokens, event.finish_reason.value)
+                return Result("".join(text), tokens, event.finish_reason.value,
+                              cached_tokens=event.cached_tokens)
     raise AssertionError("reply stream ended without a terminal event")
 
 

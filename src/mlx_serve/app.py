@@ -59,7 +59,8 @@ def make_loader(settings: Settings, failpoints: FailPoints) -> Any:
         limits = BatchLimits(settings.decode_batch_size, settings.prefill_batch_size,
                              settings.prefill_step_size)
         runner = load_runner(path, limits=limits, failpoints=failpoints,
-                             max_context=settings.max_context)
+                             max_context=settings.max_context,
+                             prefix_cache_bytes=settings.prefix_cache_bytes)
         log.info("model loaded: context %d tokens", runner.context_length)
         return runner
 

@@ -51,6 +51,9 @@ class Settings(BaseSettings):
         None, ge=1, description="max_tokens when a request names none (default: rest of context)"
     )
 
+    prefix_cache_bytes: int = Field(
+        1 << 30, ge=0, description="byte budget of the prompt prefix cache (0 turns it off)"
+    )
     max_n: int = Field(16, ge=1, le=128, description="most choices (n x prompts) per request")
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] = Field(
         "reasoning", description="reply field(s) that carry a thinking model's reasoning"

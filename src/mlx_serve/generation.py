@@ -79,6 +79,7 @@ class Delta:
     reasoning: str = ""
     tool_calls: tuple[str, ...] = ()  # raw text of each tool call completed in this step
     logprobs: tuple[TokenLogprob, ...] = ()
+    cached_tokens: int = 0  # on the last delta: prompt tokens reused from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ class Choice:
     offsets: list[int] = field(default_factory=list)
     text_length: int = 0
     tokens: int = 0
+    cached_tokens: int = 0
     finish: str | None = None
 
 
@@ -89,6 +90,7 @@ class ReplyShape:
             choice.text_length += len(t.token)
         choice.logprobs += delta.logprobs
         if delta.finish_reason is not None:
+            choice.cached_tokens = delta.cached_tokens
             choice.finish = delta.finish_reason.value
             if choice.finish == "stop" and choice.tool_calls:
                 choice.finish = "tool_calls"
@@ -110,10 +112,13 @@ class ReplyShape:
                 if self.logprobs else None,
                 "text_offset": offsets}
 
-    def usage(self, completion_tokens: int) -> dict[str, Any]:
+    def usage(self, choices: list[Choice]) -> dict[str, Any]:
+        completion_tokens = sum(c.tokens for c in choices)
+        # Choices of one prompt share its prefill; report the best reuse among them.
+        cached = max((c.cached_tokens for c in choices), default=0)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _object(self, chunk: bool) -> str:
         if self.chat:
@@ -159,9 +164,9 @@ class ReplyShape:
                     "finish_reason": finish}
         return self._envelope([item])
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
+    def usage_chunk(self, choices: list[Choice]) -> dict:
         return {"id": self.id, "object": self._object(chunk=True), "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage(completion_tokens)}
+                "model": self.model, "choices": [], "usage": self.usage(choices)}
 
     # -- whole replies -----------------------------------------------------------------
 
@@ -185,4 +190,4 @@ class ReplyShape:
                               "logprobs": logprobs, "finish_reason": c.finish})
         return {"id": self.id, "object": self._object(chunk=False), "created": self.created,
                 "model": self.model, "choices": items,
-                "usage": self.usage(sum(c.tokens for c in choices))}
+                "usage": self.usage(choices)}

@@ -45,7 +45,7 @@ async def sse_events(
                     yield json.dumps(chunk)
             else:
                 if shape.include_usage:
-                    yield json.dumps(shape.usage_chunk(sum(c.tokens for c in state)))
+                    yield json.dumps(shape.usage_chunk(state))
         except MLXServeError as exc:
             yield json.dumps(exc.to_dict())
         except Exception as exc:  # a fault in our own send path still ends the stream cleanly

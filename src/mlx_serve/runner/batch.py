@@ -18,6 +18,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machi
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Delta, GenerationRequest, StepOutcome
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
+from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
 from mlx_serve.runner.text import TextPipeline
 
@@ -36,13 +37,15 @@ class BatchLimits:
 class _Live:
     """One request the runner is generating for (in the batch, or parked)."""
 
-    __slots__ = ("request", "text", "generated", "uid")
+    __slots__ = ("request", "text", "generated", "uid", "cached_tokens", "prefilled")
 
     def __init__(self, request: GenerationRequest, text: TextPipeline) -> None:
         self.request = request
         self.text = text
         self.generated: list[int] = []
         self.uid: int | None = None
+        self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+        self.prefilled = False
 
     @property
     def remaining(self) -> int:
@@ -59,6 +62,7 @@ class Runner:
         vocab_size: int,
         limits: BatchLimits,
         failpoints: FailPoints,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -76,6 +80,9 @@ class Runner:
         self.token_texts = TokenTexts(tokenizer)
         self._live: dict[str, _Live] = {}
         self._by_uid: dict[int, _Live] = {}
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # Choices of one prompt wait for its first sequence's prefill, then reuse its KV.
+        self._waiting_for_prefill: dict[tuple[int, ...], list[_Live]] = {}
         self._batch = self._new_batch()
 
     # -- the actor's calls -------------------------------------------------------------
@@ -94,8 +101,9 @@ class Runner:
             return StepOutcome(failed=tuple(failed))
         try:
             self._failpoints.check("engine.step", self._users())
-            _, responses = self._batch.next()
+            prompt_responses, responses = self._batch.next()
             self._failpoints.check("engine.detokenize", self._users())
+            self._release_waiting(prompt_responses)
         except Exception as exc:
             return StepOutcome(failed=tuple(failed), error=exc)
         deltas = []
@@ -119,6 +127,7 @@ class Runner:
         self._close_batch()
         self._batch = self._new_batch()
         self._by_uid.clear()
+        self._waiting_for_prefill.clear()
         for live in self._live.values():
             live.uid = None
         chosen = self._live.keys() if active is None else active
@@ -175,13 +184,37 @@ class Runner:
             self._failpoints.check("engine.admit", _user_set(request.user))
             text = TextPipeline(self.tokenizer.detokenizer, request, self._text_machine)
             live = _Live(request, text)
-            self._insert(live, list(request.prompt_tokens))
+            waiting = self._waiting_for_prefill.get(request.prompt_tokens)
+            if waiting is not None:
+                waiting.append(live)  # a sibling choice is prefilling this very prompt
+            else:
+                self._insert(live, list(request.prompt_tokens))
+                if self.prefix_cache.enabled:  # later equal prompts will wait for this one
+                    self._waiting_for_prefill.setdefault(request.prompt_tokens, [])
         except Exception as exc:
             return request.request_id, exc
         self._live[request.request_id] = live
         return None
 
+    def _release_waiting(self, prompt_responses: Any) -> None:
+        """Once a prompt is prefilled, share its KV with the choices waiting for it."""
+        for r in prompt_responses:
+            live = self._by_uid.get(r.uid)
+            if live is None or not r.end_of_prompt or live.prefilled:
+                continue
+            live.prefilled = True
+            waiting = self._waiting_for_prefill.pop(live.request.prompt_tokens, None)
+            if waiting:
+                cache, tokens = self._batch.extract_cache([r.uid])[r.uid]
+                self.prefix_cache.store(tokens, cache)
+            for sibling in waiting or ():
+                if sibling.request.request_id in self._live:
+                    self._insert(sibling, list(sibling.request.prompt_tokens))
+
     def _insert(self, live: _Live, prompt: list[int]) -> None:
+        cache, rest = self.prefix_cache.lookup(prompt)
+        if live.cached_tokens is None:  # the first admission, not a replay
+            live.cached_tokens = len(prompt) - len(rest)
         params = live.request.params
         processors = make_request_processors(params)
         fmt = live.request.output.response_format
@@ -189,8 +222,10 @@ class Runner:
             processors.append(fmt.make_processor_at(  # type: ignore[attr-defined]
                 len(live.request.prompt_tokens), live.generated))
         (uid,) = self._batch.insert(
-            [prompt],
+            [rest],
             max_tokens=[live.remaining],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[prompt[: len(prompt) - len(rest)]],
             samplers=[make_request_sampler(params, len(live.generated))],
             logits_processors=[processors],
             stop_sequences=[self._stops_for(params.stop_token_ids)],
@@ -206,15 +241,23 @@ class Runner:
             stops = self._stop_sequences[extra] = StopSequences([(t,) for t in ids])
         return stops
 
-    def _remove(self, request_ids: Collection[str]) -> None:
+    def _remove(self, request_ids: Collection[str], keep_cache: bool = False) -> None:
         uids = []
         for request_id in request_ids:
             live = self._live.pop(request_id, None)
-            if live is not None and live.uid is not None:
+            if live is None:
+                continue
+            waiting = self._waiting_for_prefill.pop(live.request.prompt_tokens, None)
+            for sibling in waiting or ():  # the leader left early: siblings go on alone
+                if sibling.request.request_id in self._live:
+                    self._insert(sibling, list(sibling.request.prompt_tokens))
+            if live.uid is not None:
                 self._by_uid.pop(live.uid, None)
                 uids.append(live.uid)
         if uids:
-            self._batch.remove(uids)
+            caches = self._batch.remove(uids, return_prompt_caches=keep_cache)
+            for cache, tokens in caches.values():
+                self.prefix_cache.store(tokens, cache)
 
     def _users(self) -> set[str]:
         return {u for live in self._by_uid.values() if (u := live.request.user) is not None}
@@ -228,10 +271,14 @@ class Runner:
         k = request.output.logprobs
         if k is not None and response.finish_reason != "stop":
             logprobs = (token_logprob(self.token_texts, response.logprobs, response.token, k),)
+        cached = 0
         if piece.finish is not None:
-            self._remove([request.request_id])
+            cached = live.cached_tokens or 0
+            if response.prompt_cache is not None:  # mlx-lm extracted it for us
+                self.prefix_cache.store(list(response.all_tokens), response.prompt_cache)
+            self._remove([request.request_id], keep_cache=response.finish_reason is None)
         return Delta(piece.content, 1, piece.finish, request.index, piece.reasoning,
-                     piece.tool_calls, logprobs)
+                     piece.tool_calls, logprobs, cached)
 
 
 def _user_set(user: str | None) -> set[str]:
@@ -239,7 +286,8 @@ def _user_set(user: str | None) -> set[str]:
 
 
 def load_runner(
-    path: str, *, limits: BatchLimits, failpoints: FailPoints, max_context: int | None = None
+    path: str, *, limits: BatchLimits, failpoints: FailPoints, max_context: int | None = None,
+    prefix_cache_bytes: int = 0,
 ) -> Runner:
     """Load a model and build its runner. Call on the MLX thread."""
     from mlx_lm import load
@@ -249,4 +297,4 @@ def load_runner(
     context = max_context or config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH
     vocab = config.get("vocab_size") or len(tokenizer.get_vocab())
     return Runner(model, tokenizer, context_length=int(context), vocab_size=int(vocab),
-                  limits=limits, failpoints=failpoints)
+                  limits=limits, failpoints=failpoints, prefix_cache_bytes=prefix_cache_bytes)

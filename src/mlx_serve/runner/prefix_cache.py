@@ -1,0 +1,48 @@
+"""Prompt (prefix) caching: reuse the KV of a shared prefix instead of recomputing it.
+
+A thin policy over mlx-lm's ``LRUPromptCache`` (a token trie with LRU eviction under a
+byte budget). Entries are deep copies, so nothing a batch does later (or a failed step)
+can change them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+_MODEL_KEY = "served"  # one model per server
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int) -> None:
+        self._lru = LRUPromptCache(max_size=1 << 20, max_bytes=max_bytes) if max_bytes else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._lru is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self._lru.nbytes if self._lru is not None else 0
+
+    def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        """(a cache covering a prefix of ``tokens``, the tokens still to prefill).
+
+        The rest is never empty: the batch generator needs one token to start from.
+        """
+        if self._lru is None:
+            return None, tokens
+        cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, tokens)
+        if cache is None:
+            return None, tokens
+        if not rest:
+            if not can_trim_prompt_cache(cache):
+                return None, tokens
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        return cache, list(rest)
+
+    def store(self, tokens: list[int], cache: list[Any]) -> None:
+        if self._lru is not None and tokens:
+            self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
