@@ -62,9 +62,28 @@ class RequestHandle:
     def __init__(self, request_id: str, events: MemoryObjectReceiveStream[ReplyEvent]) -> None:
         self.request_id = request_id
         self._events = events
+        self._first: ReplyEvent | None = None
+
+    async def peek(self) -> ReplyEvent | None:
+        """Wait for the first event without consuming it (None: the stream ended)."""
+        if self._first is None:
+            try:
+                self._first = await self._events.receive()
+            except anyio.EndOfStream:
+                return None
+        return self._first
 
     def __aiter__(self) -> AsyncIterator[ReplyEvent]:
-        return self._events.__aiter__()
+        if self._first is None:
+            return self._events.__aiter__()
+        return self._replay_first()
+
+    async def _replay_first(self) -> AsyncIterator[ReplyEvent]:
+        first, self._first = self._first, None
+        assert first is not None
+        yield first
+        async for event in self._events:
+            yield event
 
     async def __aenter__(self) -> RequestHandle:
         return self

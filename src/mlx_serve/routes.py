@@ -24,7 +24,7 @@ from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
 from mlx_serve.replies import ReplyShape
 from mlx_serve.request_building import Prepared, build_chat_request, build_completion_request
 from mlx_serve.server_state import ServerState
-from mlx_serve.streaming import collect, sse_events
+from mlx_serve.streaming import collect, fail_fast, sse_events
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -112,6 +112,7 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
     handle = state.engine.submit(*prepared.requests)
     choices = len(prepared.requests)
     if body.stream:
+        await fail_fast(handle, request, state.settings.sse_ping_seconds)
         events = sse_events(handle, shape, choices, state.failpoints, body.user)
         return EventSourceResponse(events, ping=state.settings.sse_ping_seconds)
     return JSONResponse(await collect(handle, shape, choices, request))

@@ -72,6 +72,24 @@ async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, reques
     return shape.completion(state)
 
 
+async def fail_fast(handle: RequestHandle, request: Request, window: float) -> None:
+    """Before a stream starts, wait up to ``window`` for its first event.
+
+    A request that fails before any output (admission faults show up within a step)
+    then gets a plain HTTP error. After the window the stream starts anyway, kept alive
+    with SSE comments, and later errors become ``error`` events.
+    """
+    first = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+        with anyio.move_on_after(window):
+            first = await handle.peek()
+        tg.cancel_scope.cancel()
+    if isinstance(first, Failure):
+        handle.close()
+        raise first.error
+
+
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
     # The body has been read, so the next ASGI message can only be the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
