@@ -121,3 +121,33 @@ async def test_actor_end_fails_every_open_request_and_refuses_new_ones(tiny_mode
         assert engine.state is EngineState.FAILED
         with pytest.raises(EngineDeadError):
             engine.submit(make_request(p))
+
+
+async def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
+    from mlx_serve.errors import EngineUnavailableError
+
+    async with running_engine(tiny_model_dir, decode_batch_size=2) as engine:
+        ps = prompts(engine, 3)
+        running = [engine.submit(make_request(p, max_tokens=30)) for p in ps[:2]]
+        queued = engine.submit(make_request(ps[2], max_tokens=30))
+        async for _ in running[0]:
+            break  # both running requests are decoding; the third waits for a slot
+        engine.begin_drain()
+        assert engine.state is EngineState.DRAINING
+        with pytest.raises(EngineUnavailableError):
+            engine.submit(make_request(ps[0]))
+        assert (await drain(queued)).error is not None
+        assert (await drain(running[1])).tokens == 30
+        with anyio.fail_after(10):
+            await engine.finished.wait()
+
+
+async def test_abort_ends_in_flight_requests_with_a_terminal_error(tiny_model_dir):
+    async with running_engine(tiny_model_dir) as engine:
+        handle = engine.submit(make_request(prompts(engine, 1)[0], max_tokens=1000))
+        async for _ in handle:
+            break
+        engine.abort()
+        result = await drain(handle)
+        assert isinstance(result.error, EngineDeadError)
+        assert 0 < result.tokens < 1000

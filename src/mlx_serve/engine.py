@@ -128,7 +128,7 @@ class Engine:
         self._counts = {"steps": 0, "recoveries": 0, "replays": 0, "isolated": 0}
         self._draining = False
         self.runner: Any = None
-        self._abort = anyio.CancelScope()
+        self._aborted = False
         self.ready = anyio.Event()
         self.finished = anyio.Event()
 
@@ -187,21 +187,22 @@ class Engine:
     # -- the actor ------------------------------------------------------------------------
 
     def abort(self) -> None:
-        """End the actor after its current step; every open request gets a terminal error."""
-        self._abort.cancel()
+        """End the actor after its current step; every open request gets a terminal error.
+
+        A flag rather than a cancellation: cancelling the actor while it receives from
+        the inbox could lose a request that was being handed over.
+        """
+        self._aborted = True
+        self.begin_drain()
 
     async def run(self) -> None:
-        with self._abort:
-            await self._run()
-
-    async def _run(self) -> None:
         try:
             self.runner = await self._mlx.call(self._load)
             if not self._draining:
                 self._state = EngineState.READY
             self.ready.set()
             step: _Step | None = None
-            while step is not None or await self._wait_for_work():
+            while not self._aborted and (step is not None or await self._wait_for_work()):
                 step = step or self._launch_step()
                 outcome = await self._await_step(step)
                 if outcome is None:  # wedged, and already dealt with
