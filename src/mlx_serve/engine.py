@@ -288,15 +288,17 @@ class Engine:
         """Wait for a step, never abandoning it; one past its deadline wedges the engine."""
         self._step_started = step.started
         remaining = self._config.step_timeout - (time.monotonic() - step.started)
+        outcome: StepOutcome | None = None
         try:
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(remaining):
                     try:
-                        return await asyncio.shield(step.future)
+                        outcome = await asyncio.shield(step.future)
                     except Exception as exc:  # a fault outside the runner's own guard
-                        return StepOutcome(error=exc)
-                await self._wedged(step.future)
-                return None
+                        outcome = StepOutcome(error=exc)
+                if outcome is None:
+                    await self._wedged(step.future)
+            return outcome
         finally:
             self._step_started = None
             self._counts["steps"] += 1

@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "DEFAULT_MODEL_ID",
@@ -187,7 +187,7 @@ def _is_complete(folder: pathlib.Path) -> bool:
 def _write_model_folder(gguf: pathlib.Path, out: pathlib.Path, *, dequantize: bool) -> None:
     import mlx.core as mx
 
-    tensors, metadata = mx.load(str(gguf), return_metadata=True)
+    tensors, metadata = cast(tuple[dict, dict], mx.load(str(gguf), return_metadata=True))
     weights, quantization = _convert_weights(tensors, dequantize=dequantize)
     config = _model_config(metadata, tie_word_embeddings="lm_head.weight" not in weights)
     if quantization is not None:

@@ -293,7 +293,7 @@ def load_runner(
     from mlx_lm import load
 
     failpoints.check("startup.load")
-    model, tokenizer, config = load(path, return_config=True)
+    model, tokenizer, config = load(path, return_config=True)  # type: ignore[misc]
     context = max_context or config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH
     vocab = config.get("vocab_size") or len(tokenizer.get_vocab())
     return Runner(model, tokenizer, context_length=int(context), vocab_size=int(vocab),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -55,7 +55,8 @@ def token_logprob(texts: TokenTexts, logprobs: mx.array, token: int, k: int) -> 
     top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
     if k > 0:
         ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
-        pairs = sorted(zip(ids.tolist(), logprobs[ids].tolist(), strict=True),
-                       key=lambda p: -p[1])
+        id_list = cast(list[int], ids.tolist())
+        values = cast(list[float], logprobs[ids].tolist())
+        pairs = sorted(zip(id_list, values, strict=True), key=lambda p: -p[1])
         top = tuple((*texts(t), v) for t, v in pairs)
-    return TokenLogprob(text, raw, logprobs[token].item(), top)
+    return TokenLogprob(text, raw, float(cast(float, logprobs[token].item())), top)
