@@ -77,6 +77,18 @@ def engine_config(settings: Settings) -> EngineConfig:
     )
 
 
+async def _warm_structured_output(engine: Engine) -> None:
+    """Build the tokenizer's grammar tables (a second or so) before a client needs them."""
+    await engine.ready.wait()
+    if engine.runner is None:
+        return
+    try:
+        await anyio.to_thread.run_sync(engine.runner.compile_response_format,
+                                       {"type": "json_object"})
+    except Exception as exc:  # structured output then fails per request, with a 400
+        log.warning("structured output unavailable: %s", exc)
+
+
 async def _run_engine(engine: Engine, settings: Settings) -> None:
     try:
         await engine.run()
@@ -99,6 +111,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_run_engine, engine, settings)
+                tg.start_soon(_warm_structured_output, engine)
                 yield
                 engine.begin_drain()
                 with anyio.move_on_after(settings.drain_timeout):

@@ -1,0 +1,48 @@
+"""response_format over HTTP: a random model's output still parses and validates."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "maximum": 999}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def chat(server, **body) -> httpx.Response:
+    body.setdefault("messages", [{"role": "user", "content": "Describe a person."}])
+    body.setdefault("max_tokens", 120)
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_json_schema_output_validates(tiny_server, seed):
+    reply = chat(tiny_server, temperature=1.0, seed=seed, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    value = json.loads(choice["message"]["content"])
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+
+
+def test_json_object_streams_valid_json(tiny_server):
+    with httpx.stream("POST", tiny_server.base_url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "json please"}],
+                            "max_tokens": 120, "stream": True, "temperature": 0,
+                            "response_format": {"type": "json_object"}}) as reply:
+        lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(line) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert isinstance(json.loads(text), dict)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_an_invalid_schema_is_a_400(tiny_server):
+    reply = chat(tiny_server, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "response_format"
