@@ -35,7 +35,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=full_env)
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 120.0) -> None:
         """Poll /health until 200, the process exits, or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0) as client:

@@ -78,3 +78,19 @@ def test_a_good_step_forgives_earlier_isolations():
             iso.on_failure({rid})
         assert iso.on_success({"healthy"}) is None
     assert iso.isolations_in_a_row == 0
+
+
+def test_a_request_in_too_many_failed_steps_is_isolated_even_with_good_steps_between():
+    iso = Isolation(max_failed_rebuilds=3, max_involvement=8)
+    isolated: set[str] = set()
+    for i in range(20):  # "flaky" stays; short healthy requests come and go
+        healthy = f"h{i}"
+        decision = iso.on_failure({"flaky", healthy})
+        assert not decision.fatal
+        isolated |= decision.isolate
+        iso.on_success({healthy})
+        iso.forget([healthy])  # it finished
+        if isolated:
+            break
+    assert isolated == {"flaky"}
+    assert i == 7  # on its eighth failed step

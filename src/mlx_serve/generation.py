@@ -45,6 +45,7 @@ class OutputOptions:
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus k alternatives
     split_reasoning: bool = False  # route thinking/tool-call spans apart (chat only)
     initial_state: str = "normal"  # "reasoning" when the prompt opened a thinking span
+    keep_leading_space: bool = False  # chat replies drop the first token's space
     # A compiled response format (runner.structured.CompiledFormat): it does change the
     # sampled tokens, but only the runner knows how to apply it.
     response_format: object | None = None

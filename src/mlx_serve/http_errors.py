@@ -13,8 +13,10 @@ from mlx_serve.errors import MLXServeError
 log = logging.getLogger(__name__)
 
 
-def error_response(exc: MLXServeError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+def error_response(exc: MLXServeError, headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
     return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=headers)
 
 
@@ -28,7 +30,7 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
     error = MLXServeError(str(exc.detail), code=None)
     error.status_code = exc.status_code
     error.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return error_response(error)
+    return error_response(error, exc.headers)  # e.g. Allow on a 405
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:

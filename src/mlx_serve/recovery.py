@@ -35,12 +35,16 @@ class Decision:
 class Isolation:
     max_failed_rebuilds: int = 3
     max_alone_failures: int = 2
+    # Failed steps a request may take part in over its life, good steps between them or
+    # not: a request that makes every other step fail can never loop forever.
+    max_involvement: int = 8
     failure_streak: int = 0
     isolations_in_a_row: int = 0  # isolations with no good step between them
     _replayed: bool = False
     _probing: frozenset[str] | None = None
     _pending: list[frozenset[str]] = field(default_factory=list)
     _alone_failures: dict[str, int] = field(default_factory=dict)
+    _involvement: dict[str, int] = field(default_factory=dict)
 
     @property
     def recovering(self) -> bool:
@@ -52,6 +56,12 @@ class Isolation:
         if self.failure_streak > self.max_failed_rebuilds:
             return Decision(batch=None, fatal=True)
         group = frozenset(in_step)
+        for rid in group:
+            self._involvement[rid] = self._involvement.get(rid, 0) + 1
+        worn_out = frozenset(r for r in group if self._involvement[r] >= self.max_involvement)
+        if worn_out:
+            self.failure_streak = 0
+            return self._next(worn_out)
         if self._probing is None and not self._replayed:
             self._replayed = True  # first, assume a transient fault: replay everything
             return Decision(batch=None)
@@ -92,6 +102,7 @@ class Isolation:
         self._pending = [g - gone for g in self._pending if g - gone]
         for rid in gone:
             self._alone_failures.pop(rid, None)
+            self._involvement.pop(rid, None)
 
     def _next(self, isolate: frozenset[str]) -> Decision:
         self._pending = [g - isolate for g in self._pending if g - isolate]

@@ -94,7 +94,8 @@ def sampling_params(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(0, body.top_k or 0),
+        # A top_k that keeps the whole vocabulary is no filter (mlx-lm would raise).
+        top_k=0 if (body.top_k or 0) >= runner.vocab_size else max(0, body.top_k or 0),
         min_p=body.min_p or 0.0,
         stop=stop,
         seed=body.seed,
@@ -176,7 +177,8 @@ async def build_completion_request(
     prompts = await _completion_prompts(body, runner)
     if len(prompts) * body.n > settings.max_n:
         _unsupported("prompt", f"times n may make at most {settings.max_n} choices")
-    output = OutputOptions(logprobs=body.logprobs)
+    # A completion continues the prompt: its first token's leading space is real text.
+    output = OutputOptions(logprobs=body.logprobs, keep_leading_space=True)
     reqs: list[GenerationRequest] = []
     for i, prompt in enumerate(prompts):  # OpenAI numbers choices prompt by prompt
         params = sampling_params(body, body.max_tokens, len(prompt), runner, settings)

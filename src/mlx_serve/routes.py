@@ -48,6 +48,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(body)
     except ValueError as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise RequestError("the JSON body is nested too deeply") from None
 
 
 def parse(model: type[M], body: Any) -> M:

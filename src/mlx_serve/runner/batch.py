@@ -8,6 +8,7 @@ prompt, the tokens delivered so far, and the text state (detokenizer, held stop 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +126,9 @@ class Runner:
         other live requests stay parked, keeping their state, until a later rebuild.
         """
         self._close_batch()
+        # A sampler that raised inside mlx-lm's compiled sampling can leave MLX's global
+        # random state unusable; unseeded sampling restarts from fresh entropy.
+        mx.random.seed(secrets.randbits(63))
         self._batch = self._new_batch()
         self._by_uid.clear()
         self._waiting_for_prefill.clear()

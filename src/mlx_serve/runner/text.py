@@ -28,6 +28,8 @@ class TextPipeline:
 
     def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any) -> None:
         self._detok = detokenizer
+        if request.output.keep_leading_space:
+            _keep_leading_space(detokenizer)
         self._stops = StopStringMatcher(request.params.stop)
         # The state machine strips thinking/tool-call markers (mlx-lm's, per tokenizer).
         use_machine = request.output.split_reasoning and machine is not None
@@ -81,3 +83,12 @@ class TextPipeline:
             calls.append(self._tool_text)  # cut off mid-call: the parser decides
             self._tool_text = ""
         return TextPiece("".join(content), "".join(reasoning), tuple(calls), finish)
+
+
+def _keep_leading_space(detokenizer: Any) -> None:
+    """mlx-lm's BPE and SentencePiece detokenizers drop the reply's first leading space,
+    right for a chat answer, wrong for a completion that continues the prompt's text."""
+    if hasattr(detokenizer, "trim_space"):
+        detokenizer.trim_space = False
+    if hasattr(detokenizer, "_maybe_trim_space"):
+        detokenizer._maybe_trim_space = lambda text: text

