@@ -150,4 +150,4 @@ async def test_abort_ends_in_flight_requests_with_a_terminal_error(tiny_model_di
         engine.abort()
         result = await drain(handle)
         assert isinstance(result.error, EngineDeadError)
-        assert 0 < result.tokens < 1000
+        assert result.tokens < 999  # ended long before its max_tokens

@@ -29,6 +29,8 @@ from mlx_serve.server_state import ServerState
 log = logging.getLogger("mlx_serve")
 
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: a supervisor should restart us
+FATAL_EXIT_GRACE = 1.0  # seconds for in-flight error replies under plain uvicorn
+ABORT_GRACE = 5.0  # seconds for the actor to end after an abort
 
 
 def served_model_name(settings: Settings) -> str:
@@ -89,14 +91,18 @@ async def _warm_structured_output(engine: Engine) -> None:
         log.warning("structured output unavailable: %s", exc)
 
 
-async def _run_engine(engine: Engine, settings: Settings) -> None:
+async def _run_engine(state: ServerState) -> None:
     try:
-        await engine.run()
+        await state.engine.run()
     except Exception:
         pass  # already logged by the actor; its state says failed
-    if engine.state is EngineState.FAILED and settings.exit_on_fatal:
+    if state.engine.state is EngineState.FAILED and state.settings.exit_on_fatal:
         log.critical("engine failed for good; exiting with status %d", FATAL_EXIT_CODE)
-        os._exit(FATAL_EXIT_CODE)
+        if state.request_exit is not None:
+            state.request_exit(FATAL_EXIT_CODE)  # graceful: the error replies go out first
+        else:  # plain uvicorn cannot exit non-zero: give the replies a moment, then go
+            await anyio.sleep(FATAL_EXIT_GRACE)
+            os._exit(FATAL_EXIT_CODE)
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
@@ -107,14 +113,18 @@ def create_app(settings: Settings | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         mlx = MLXThread()
         engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
-        app.state.server = ServerState(settings, engine, failpoints, served_model_name(settings))
+        state = ServerState(settings, engine, failpoints, served_model_name(settings))
+        app.state.server = state
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_run_engine, engine, settings)
+                tg.start_soon(_run_engine, state)
                 tg.start_soon(_warm_structured_output, engine)
                 yield
                 engine.begin_drain()
                 with anyio.move_on_after(settings.drain_timeout):
+                    await engine.finished.wait()
+                engine.abort()  # whatever is left gets a terminal error, stuck step or not
+                with anyio.move_on_after(ABORT_GRACE):
                     await engine.finished.wait()
                 tg.cancel_scope.cancel()
         finally:

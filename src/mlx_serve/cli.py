@@ -65,5 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), backlog=2048,
                             timeout_graceful_shutdown=5)
-    DrainingServer(config, app, settings.drain_timeout).run()
-    return 0
+    server = DrainingServer(config, app, settings.drain_timeout)
+    server.run()
+    return server.exit_code

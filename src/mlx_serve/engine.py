@@ -129,6 +129,7 @@ class Engine:
         self._draining = False
         self.runner: Any = None
         self._aborted = False
+        self._abort_signal: asyncio.Future[None] | None = None
         self.ready = anyio.Event()
         self.finished = anyio.Event()
 
@@ -190,9 +191,12 @@ class Engine:
         """End the actor after its current step; every open request gets a terminal error.
 
         A flag rather than a cancellation: cancelling the actor while it receives from
-        the inbox could lose a request that was being handed over.
+        the inbox could lose a request that was being handed over. A step stuck on the
+        MLX thread is left behind, not waited for.
         """
         self._aborted = True
+        if self._abort_signal is not None and not self._abort_signal.done():
+            self._abort_signal.set_result(None)
         self.begin_drain()
 
     async def run(self) -> None:
@@ -285,29 +289,45 @@ class Engine:
         return len(self._open) > len(ending & self._open.keys())
 
     async def _await_step(self, step: _Step) -> StepOutcome | None:
-        """Wait for a step, never abandoning it; one past its deadline wedges the engine."""
+        """Wait for a step, never abandoning it; one past its deadline wedges the engine.
+
+        Returns None when the engine wedged or was aborted meanwhile.
+        """
         self._step_started = step.started
         remaining = self._config.step_timeout - (time.monotonic() - step.started)
         outcome: StepOutcome | None = None
         try:
             with anyio.CancelScope(shield=True):
-                with anyio.move_on_after(remaining):
+                if await self._done_or_aborted(step.future, max(remaining, 0.0)):
                     try:
-                        outcome = await asyncio.shield(step.future)
+                        outcome = step.future.result()
                     except Exception as exc:  # a fault outside the runner's own guard
                         outcome = StepOutcome(error=exc)
-                if outcome is None:
+                elif not self._aborted:
                     await self._wedged(step.future)
             return outcome
         finally:
             self._step_started = None
             self._counts["steps"] += 1
 
+    async def _done_or_aborted(self, future: asyncio.Future[Any], timeout: float | None) -> bool:
+        """Wait for ``future`` up to ``timeout`` or until ``abort()``; True if it is done.
+
+        The MLX thread cannot be interrupted, so an abort leaves the step running there
+        and stops waiting for it: a stuck step can never hold up shutdown.
+        """
+        if self._abort_signal is None:
+            self._abort_signal = asyncio.get_running_loop().create_future()
+        done, _ = await asyncio.wait((future, self._abort_signal), timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        return future in done
+
     async def _wedged(self, future: asyncio.Future[StepOutcome]) -> None:
         log.error("a step exceeded %.1f s: engine wedged", self._config.step_timeout)
         previous, self._state = self._state, EngineState.WEDGED
         self._fail_all(StepTimeoutError("the generation step timed out; the engine is wedged"))
-        await future  # the MLX thread cannot be interrupted; wait for it to come back
+        if not await self._done_or_aborted(future, None):
+            return  # aborted while wedged: the actor ends without the step
         await self._mlx.call(self._rebuild_empty)
         self._state = EngineState.DRAINING if self._draining else previous
         log.warning("the wedged step returned; engine rebuilt and %s", self._state.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlx_serve.config import Settings
@@ -17,3 +18,5 @@ class ServerState:
     failpoints: FailPoints
     model_name: str
     started: int = field(default_factory=lambda: int(time.time()))
+    # Set by the server runner (``mlx-serve``): shut down gracefully with this status.
+    request_exit: Callable[[int], None] | None = None

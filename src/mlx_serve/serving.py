@@ -34,10 +34,19 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.exit_code = 0
 
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        state = getattr(self._app.state, "server", None)
+        if state is not None:
+            state.request_exit = self.request_exit
+
+    def request_exit(self, code: int) -> None:
+        """Shut down as after a drain, then exit with ``code``."""
+        self.exit_code = code
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

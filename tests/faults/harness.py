@@ -1,0 +1,433 @@
+"""Black-box helpers for the fault suite: drive a real server, record how each request ended.
+
+Every client call here is bounded (``CLIENT_TIMEOUT``) and every wait polls a condition
+until a deadline; nothing sleeps to synchronise. A request's whole life is recorded in a
+``Reply`` so that a test can assert that it ended with exactly one terminal event.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+import openai
+
+from tests.server_process import ServerProcess
+
+CLIENT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)  # no request in this suite may take longer
+POLL_S = 0.01  # condition polling interval
+MALLOC = "[metal::malloc] Resource limit (499000) exceeded"
+# Holds every step at the first one until a test replaces the rule over HTTP (which
+# releases the hang): the test can then put all its requests in flight before any fault.
+GATE = "engine.step=hang"
+
+# Prompts for the tiny model: each gives a different greedy output.
+PROMPTS = [f"Request {i}: tell me about topic {i * 7}, " + "and then some more " * (i % 4)
+           for i in range(32)]
+
+
+def chat_body(i: int, max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
+    """A temperature-0 chat request on prompt ``i``."""
+    return {"messages": [{"role": "user", "content": PROMPTS[i]}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+
+
+# -- one request's record -------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    """How one request ended, as the client saw it."""
+
+    body: dict[str, Any]
+    stream: bool
+    status: int | None = None
+    text: str = ""
+    finishes: list[str] = field(default_factory=list)  # non-null finish_reason values
+    errors: list[dict[str, Any]] = field(default_factory=list)  # OpenAI error objects
+    done: int = 0  # "[DONE]" events
+    after_done: list[str] = field(default_factory=list)  # any data after the first [DONE]
+    transport_error: str | None = None  # connection reset, timeout, ...
+    elapsed: float = 0.0
+    ended_at: float = 0.0  # time.monotonic() when the client call returned
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.finishes[0] if len(self.finishes) == 1 else None
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        return self.errors[0] if len(self.errors) == 1 else None
+
+    @property
+    def completed(self) -> bool:
+        return self.finish_reason is not None and not self.errors
+
+    @property
+    def outcome(self) -> tuple[str, str | None]:
+        return self.text, self.finish_reason
+
+    def describe(self) -> str:
+        return (f"{'stream' if self.stream else 'json'} status={self.status} "
+                f"finishes={self.finishes} errors={self.errors} done={self.done} "
+                f"after_done={self.after_done} transport={self.transport_error} "
+                f"text={self.text!r} user={self.body.get('user')}")
+
+
+def assert_one_terminal(reply: Reply) -> None:
+    """Exactly one terminal event: a finish_reason or an error, never both, never none."""
+    info = reply.describe()
+    assert reply.transport_error is None, f"the request did not end cleanly: {info}"
+    assert reply.status is not None, info
+    assert len(reply.finishes) + len(reply.errors) == 1, f"not one terminal event: {info}"
+    for error in reply.errors:
+        assert isinstance(error.get("message"), str) and error.get("type"), info
+    if reply.stream and reply.status == 200:
+        assert reply.done == 1 and not reply.after_done, f"[DONE] not last and single: {info}"
+    if reply.errors:
+        assert reply.finish_reason is None, info
+    if reply.status != 200:
+        assert reply.errors, f"HTTP {reply.status} without an OpenAI error object: {info}"
+
+
+def assert_all_terminal(replies: Iterable[Reply]) -> None:
+    for reply in replies:
+        assert_one_terminal(reply)
+
+
+# -- clients --------------------------------------------------------------------------------
+
+
+def http_client(server: ServerProcess, timeout: httpx.Timeout = CLIENT_TIMEOUT
+                ) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    return httpx.AsyncClient(base_url=server.base_url, timeout=timeout, limits=limits)
+
+
+def sdk_client(server: ServerProcess) -> openai.AsyncOpenAI:
+    # No retries: a retried 5xx would hide exactly what these tests look for.
+    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused",
+                              max_retries=0, timeout=CLIENT_TIMEOUT)
+
+
+async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any], *,
+                      on_content: anyio.Event | None = None,
+                      path: str = "/v1/chat/completions") -> Reply:
+    """POST a streaming request and read its SSE stream to the end, recording everything.
+
+    ``on_content`` is set when the first non-empty text chunk arrives (the server has
+    generated a token for this request).
+    """
+    body = {**body, "stream": True}
+    reply = Reply(body, stream=True)
+    start = time.monotonic()
+    try:
+        async with client.stream("POST", path, json=body) as resp:
+            reply.status = resp.status_code
+            if resp.status_code != 200:
+                await resp.aread()
+                _record_error_body(reply, resp)
+                return reply
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, ": ping" comments
+                data = line[len("data:"):].strip()
+                if reply.done:
+                    reply.after_done.append(data)
+                elif data == "[DONE]":
+                    reply.done += 1
+                else:
+                    _record_chunk(reply, json.loads(data), on_content)
+    except httpx.HTTPError as exc:
+        reply.transport_error = f"{type(exc).__name__}: {exc}"
+    finally:
+        _ended(reply, start)
+    return reply
+
+
+def _ended(reply: Reply, start: float) -> None:
+    reply.ended_at = time.monotonic()
+    reply.elapsed = reply.ended_at - start
+
+
+def _record_chunk(reply: Reply, chunk: dict[str, Any], on_content: anyio.Event | None) -> None:
+    if "error" in chunk:
+        reply.errors.append(chunk["error"])
+        return
+    for choice in chunk.get("choices", []):
+        text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+        if text:
+            reply.text += text
+            if on_content is not None:
+                on_content.set()
+        if choice.get("finish_reason") is not None:
+            reply.finishes.append(choice["finish_reason"])
+
+
+def _record_error_body(reply: Reply, resp: httpx.Response) -> None:
+    try:
+        payload = resp.json()
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        reply.errors.append(payload["error"])
+
+
+async def complete_chat(client: httpx.AsyncClient, body: dict[str, Any],
+                        path: str = "/v1/chat/completions") -> Reply:
+    """POST a non-streaming request with httpx; record the finish or the error object."""
+    reply = Reply(body, stream=False)
+    start = time.monotonic()
+    try:
+        resp = await client.post(path, json=body)
+    except httpx.HTTPError as exc:
+        reply.transport_error = f"{type(exc).__name__}: {exc}"
+        return reply
+    finally:
+        _ended(reply, start)
+    reply.status = resp.status_code
+    if resp.status_code != 200:
+        _record_error_body(reply, resp)
+        return reply
+    payload = resp.json()
+    if "error" in payload:
+        reply.errors.append(payload["error"])
+    for choice in payload.get("choices", []):
+        reply.text += choice.get("message", {}).get("content") or choice.get("text") or ""
+        if choice.get("finish_reason") is not None:
+            reply.finishes.append(choice["finish_reason"])
+    return reply
+
+
+async def sdk_chat(client: openai.AsyncOpenAI, model: str, body: dict[str, Any]) -> Reply:
+    """A non-streaming request through the official ``openai`` SDK."""
+    reply = Reply(body, stream=False)
+    start = time.monotonic()
+    params = {k: v for k, v in body.items() if k not in ("messages", "max_tokens")}
+    try:
+        result = await client.chat.completions.create(
+            model=model, messages=body["messages"], max_tokens=body["max_tokens"], **params)
+    except openai.APIStatusError as exc:
+        reply.status = exc.status_code
+        error = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else None
+        if isinstance(error, dict):
+            reply.errors.append(error)
+    except openai.APIError as exc:  # connection errors and timeouts
+        reply.transport_error = f"{type(exc).__name__}: {exc}"
+    else:
+        reply.status = 200
+        choice = result.choices[0]
+        reply.text = choice.message.content or ""
+        if choice.finish_reason is not None:
+            reply.finishes.append(choice.finish_reason)
+    finally:
+        _ended(reply, start)
+    return reply
+
+
+async def gather(*calls: Callable[[], Awaitable[Reply]],
+                 alongside: Iterable[Callable[[], Awaitable[Any]]] = ()) -> list[Reply]:
+    """Run the calls concurrently (plus ``alongside`` tasks); replies in call order."""
+    results: list[Reply | None] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        results[i] = await calls[i]()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+        for task in alongside:
+            tg.start_soon(task)
+    return [r for r in results if r is not None]
+
+
+def call(client: httpx.AsyncClient, body: dict[str, Any], stream: bool
+         ) -> Callable[[], Awaitable[Reply]]:
+    """A deferred request: streaming (SSE) or not, through httpx."""
+    if stream:
+        return lambda: stream_chat(client, body)
+    return lambda: complete_chat(client, body)
+
+
+def sdk_call(client: openai.AsyncOpenAI, model: str, body: dict[str, Any]
+             ) -> Callable[[], Awaitable[Reply]]:
+    """A deferred non-streaming request through the ``openai`` SDK."""
+    return lambda: sdk_chat(client, model, body)
+
+
+# -- health -------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    at: float
+    status: int | None  # None: no answer within the probe's timeout
+    body: dict[str, Any]
+
+
+class Poller:
+    """Polls one endpoint concurrently with a test and keeps every answer."""
+
+    def __init__(self) -> None:
+        self.samples: list[Sample] = []
+
+    async def run(self, client: httpx.AsyncClient, path: str, interval: float) -> None:
+        while True:
+            try:
+                resp = await client.get(path)
+                self.samples.append(Sample(time.monotonic(), resp.status_code, resp.json()))
+            except httpx.HTTPError as exc:
+                self.samples.append(Sample(time.monotonic(), None, {"error": repr(exc)}))
+            await anyio.sleep(interval)
+
+    def statuses(self) -> set[int | None]:
+        return {s.status for s in self.samples}
+
+    def states(self) -> list[str]:
+        return [s.body.get("state", "?") for s in self.samples]
+
+
+@asynccontextmanager
+async def polling(server: ServerProcess, path: str = "/health", interval: float = 0.02
+                  ) -> AsyncIterator[Poller]:
+    """Poll ``path`` (own connection, 1 s per probe) for as long as the block runs."""
+    poller = Poller()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=1.0) as client:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poller.run, client, path, interval)
+            try:
+                yield poller
+            finally:
+                tg.cancel_scope.cancel()
+
+
+async def health(client: httpx.AsyncClient, path: str = "/health") -> tuple[int, dict]:
+    resp = await client.get(path)
+    return resp.status_code, resp.json()
+
+
+async def wait_until(check: Callable[[], Awaitable[Any]], timeout: float, what: str) -> Any:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    last: Any = None
+    with anyio.move_on_after(timeout):
+        while True:
+            last = await check()
+            if last:
+                return last
+            await anyio.sleep(POLL_S)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
+
+
+async def wait_for_state(client: httpx.AsyncClient, *states: str, timeout: float = 10.0
+                         ) -> dict[str, Any]:
+    """Poll /health until its state is one of ``states``; return that body."""
+    last: dict[str, Any] = {}
+
+    async def check() -> dict[str, Any] | None:
+        nonlocal last
+        _, last = await health(client)
+        return last if last.get("state") in states else None
+
+    try:
+        return await wait_until(check, timeout, f"state in {states}")
+    except AssertionError:
+        raise AssertionError(f"state never reached {states} in {timeout} s: {last}") from None
+
+
+async def wait_for_requests(client: httpx.AsyncClient, count: int, timeout: float = 10.0
+                            ) -> dict[str, Any]:
+    """Poll /health until ``count`` requests are open in the engine (running + waiting)."""
+    async def check() -> dict[str, Any] | None:
+        _, body = await health(client)
+        return body if body["running"] + body["waiting"] >= count else None
+
+    return await wait_until(check, timeout, f"{count} requests in the engine")
+
+
+# -- fail points over HTTP ------------------------------------------------------------------
+
+
+async def set_failpoint(client: httpx.AsyncClient, site: str, action: str) -> None:
+    resp = await client.put(f"/_debug/failpoints/{site}", content=action)
+    assert resp.status_code == 200, resp.text
+
+
+async def clear_failpoint(client: httpx.AsyncClient, site: str) -> None:
+    resp = await client.delete(f"/_debug/failpoints/{site}")
+    assert resp.status_code == 200, resp.text
+
+
+# -- the server's log -----------------------------------------------------------------------
+
+_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):\n(?:[ \t].*\n|\n)*(.*)$",
+                        re.MULTILINE)
+_NOISE = ("Exception in ASGI application", "Task exception was never retrieved",
+          "was never awaited", "Unclosed", "Exception ignored")
+
+
+def unexpected_log_errors(log_text: str, allowed: Iterable[str] = ()) -> list[str]:
+    """Tracebacks whose final line names none of ``allowed``, and asyncio/ASGI noise."""
+    allowed = tuple(allowed)
+    found = [m.group(1) for m in _TRACEBACK.finditer(log_text)
+             if not any(a in m.group(1) for a in allowed)]
+    found += [line for line in log_text.splitlines() if any(n in line for n in _NOISE)]
+    return found
+
+
+def assert_log_clean(server: ServerProcess, allowed: Iterable[str] = ()) -> None:
+    text = server.log_path.read_text(errors="replace")
+    problems = unexpected_log_errors(text, allowed)
+    assert not problems, f"unexpected errors in the server log: {problems}\n{text[-4000:]}"
+
+
+# -- expected outputs -----------------------------------------------------------------------
+
+
+class Reference:
+    """Fault-free outputs (text, finish_reason) of request bodies, from a clean server."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self._cache: dict[str, tuple[str, str | None]] = {}
+
+    async def outcomes(self, bodies: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+        plain = [{k: v for k, v in b.items() if k not in ("stream", "user")} for b in bodies]
+        keys = [json.dumps(b, sort_keys=True) for b in plain]
+        missing = {k: b for k, b in zip(keys, plain, strict=True) if k not in self._cache}
+        if missing:
+            async with http_client(self.server) as client:
+                replies = await gather(*[call(client, b, False) for b in missing.values()])
+            for key, reply in zip(missing, replies, strict=True):
+                assert reply.completed, f"the reference server failed: {reply.describe()}"
+                self._cache[key] = reply.outcome
+        return [self._cache[k] for k in keys]
+
+    async def outcome(self, body: dict[str, Any]) -> tuple[str, str | None]:
+        return (await self.outcomes([body]))[0]
+
+
+async def assert_serves(server: ServerProcess, reference: Reference, model: str) -> None:
+    """The server answers fresh requests (SDK non-streaming, SSE streaming) exactly."""
+    body = chat_body(31, max_tokens=8)
+    expected = await reference.outcome(body)
+    async with http_client(server) as client, sdk_client(server) as sdk:
+        replies = [await sdk_chat(sdk, model, body), await stream_chat(client, body)]
+    for reply in replies:
+        assert_one_terminal(reply)
+        assert reply.completed and reply.outcome == expected, reply.describe()
+
+
+def assert_exact(replies: Iterable[Reply], expected: Iterable[tuple[str, str | None]]) -> None:
+    """Every reply completed with exactly the fault-free (text, finish_reason)."""
+    for reply, want in zip(replies, expected, strict=True):
+        assert_one_terminal(reply)
+        assert reply.completed, f"did not complete: {reply.describe()}"
+        assert reply.outcome == want, f"output differs from the fault-free run:\n" \
+            f"  got  {reply.outcome!r}\n  want {want!r}"

@@ -1,0 +1,171 @@
+"""Scenario 7: SIGTERM under load. The server drains (readiness 503 ``draining``, liveness
+200, new requests 503), in-flight requests finish (or get a terminal error once the
+drain timeout passes), and the process exits 0.
+
+Every step sleeps 25 ms (``engine.step=sleep(25)``) so that the in-flight work lasts
+long enough to be observed; a sleeping step changes no output.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from tests.faults.harness import (
+    GATE,
+    POLL_S,
+    Reply,
+    assert_all_terminal,
+    assert_exact,
+    assert_log_clean,
+    assert_one_terminal,
+    chat_body,
+    clear_failpoint,
+    complete_chat,
+    gather,
+    health,
+    http_client,
+    polling,
+    stream_chat,
+    wait_for_requests,
+    wait_for_state,
+    wait_until,
+)
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.anyio
+
+SLOW_STEPS = "engine.step=sleep(25)"
+NO_EOS = {"0": -100, "2": -100}  # the tiny model's end-of-sequence ids: run to max_tokens
+
+
+async def process_exit(server: ServerProcess, timeout: float) -> int:
+    async def exited() -> bool:
+        return server.proc.poll() is not None
+
+    await wait_until(exited, timeout, "the server process to exit")
+    return server.proc.returncode
+
+
+def streaming_load(client, bodies, started: list[anyio.Event]):
+    """Streams for even bodies (each sets its event on its first text), JSON for odd."""
+    calls = []
+    for i, body in enumerate(bodies):
+        if i % 2 == 0:
+            event = anyio.Event()
+            started.append(event)
+            calls.append(lambda b=body, e=event: stream_chat(client, b, on_content=e))
+        else:
+            calls.append(lambda b=body: complete_chat(client, b))
+    return calls
+
+
+async def test_sigterm_drains_in_flight_requests_then_exits_zero(launch, reference):
+    server = launch("--drain-timeout", "20", failpoints=SLOW_STEPS)
+    bodies = [chat_body(i, max_tokens=64) for i in range(8)]
+    expected = await reference.outcomes(bodies)
+    marks: dict[str, float] = {}
+    refused: list[Reply] = []
+    with anyio.fail_after(40):
+        async with http_client(server) as client:
+            started: list[anyio.Event] = []
+
+            async def terminate_and_check() -> None:
+                for event in started:
+                    await event.wait()  # every stream is generating
+                await wait_for_requests(client, 8)
+                server.terminate()
+                marks["sigterm"] = time.monotonic()
+                body = await wait_for_state(client, "draining", timeout=5)
+                status, _ = await health(client)
+                assert status == 503, body
+                live_status, live = await health(client, "/live")
+                assert live_status == 200 and live["state"] == "draining", live
+                refused.append(await complete_chat(client, chat_body(20, max_tokens=4)))
+                refused.append(await stream_chat(client, chat_body(21, max_tokens=4)))
+                marks["checked"] = time.monotonic()
+
+            async with polling(server, "/live") as live_probe:
+                replies = await gather(*streaming_load(client, bodies, started),
+                                       alongside=[terminate_and_check])
+                code = await process_exit(server, timeout=15)
+
+    assert_exact(replies, expected)
+    first_done = min(r.ended_at for r in replies)
+    assert first_done > marks["checked"], "the checks did not happen while work was in flight"
+    for reply in refused:
+        assert_one_terminal(reply)
+        assert reply.status == 503 and reply.error is not None, reply.describe()
+    # Until the last request is answered the process must look alive (it is stopping
+    # afterwards, and /live may then say so).
+    working = [s for s in live_probe.samples if s.at <= max(r.ended_at for r in replies)]
+    assert {s.status for s in working} == {200}, \
+        f"/live left 200 while draining: {[(s.status, s.body) for s in working]}"
+    assert "draining" in {s.body.get("state") for s in working}, working
+    assert code == 0, f"exit status {code}:\n{server.log_text()}"
+    assert_log_clean(server)
+
+
+async def test_drain_timeout_ends_the_stragglers_with_an_error_and_exits_zero(launch):
+    """Variant: a 1 s drain timeout and work that would take ~25 s: in-flight requests get
+    a terminal error (stream error event / 5xx) once the timeout passes, exit status 0."""
+    server = launch("--drain-timeout", "1", failpoints=SLOW_STEPS)
+    bodies = [chat_body(i, max_tokens=1000, logit_bias=NO_EOS) for i in range(6)]
+    marks: dict[str, float] = {}
+    with anyio.fail_after(40):
+        async with http_client(server) as client:
+            started: list[anyio.Event] = []
+
+            async def terminate() -> None:
+                for event in started:
+                    await event.wait()
+                await wait_for_requests(client, 6)
+                server.terminate()
+                marks["sigterm"] = time.monotonic()
+
+            replies = await gather(*streaming_load(client, bodies, started),
+                                   alongside=[terminate])
+            code = await process_exit(server, timeout=15)
+
+    assert_all_terminal(replies)
+    for reply in replies:
+        assert reply.error is not None, f"expected a terminal error: {reply.describe()}"
+        if reply.stream:
+            assert reply.status == 200 and reply.done == 1 and reply.text, reply.describe()
+        else:
+            assert reply.status is not None and reply.status >= 500, reply.describe()
+        waited = reply.ended_at - marks["sigterm"]
+        assert 0.9 <= waited <= 5.0, f"ended {waited:.2f} s after SIGTERM: {reply.describe()}"
+    assert code == 0, f"exit status {code}:\n{server.log_text()}"
+    assert_log_clean(server)
+
+
+async def test_drain_timeout_is_honoured_while_a_step_is_stuck(launch):
+    """A step that never returns (a livelock, mlx-lm #1493) at SIGTERM: after the drain
+    timeout the in-flight requests should get a terminal error and the process exit."""
+    server = launch("--failpoints-http", "--drain-timeout", "1", failpoints=GATE)
+    replies: list[Reply] = []
+    try:
+        async with http_client(server) as client:
+            async def load() -> None:
+                replies.extend(await gather(*[
+                    lambda i=i: complete_chat(client, chat_body(i, max_tokens=8))
+                    for i in range(4)]))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load)
+                await wait_for_requests(client, 4)
+                server.terminate()
+                with anyio.move_on_after(4):  # drain timeout + 3 s
+                    while len(replies) < 4 or server.proc.poll() is None:
+                        await anyio.sleep(POLL_S)
+                tg.cancel_scope.cancel()
+        assert len(replies) == 4, "in-flight requests got no answer within drain timeout + 3 s"
+        assert_all_terminal(replies)
+        assert server.proc.poll() == 0, "the process did not exit after the drain timeout"
+    finally:
+        if server.proc.poll() is None:  # let the stuck step return so the process can go
+            async with http_client(server) as client:
+                await clear_failpoint(client, "engine.step")
