@@ -1,0 +1,299 @@
+"""A/B runner: the engine limit, mlx_serve and mlx_lm.server on one model, interleaved.
+
+One invocation builds or locates the model, starts both servers on 127.0.0.1 (free
+ports, same model, same batch settings), waits for readiness (bounded), then for each
+round and each concurrency runs engine, mlx_serve, mlx_lm (in that order) on the same
+fresh prompts, and prints per-concurrency ratios (median [min-max] over rounds). Raw
+results go to benchmarks/results/. Every started process is stopped on the way out,
+Ctrl-C and SIGTERM included; every run is bounded in requests and time.
+
+    python -m benchmarks.ab --model tiny --concurrency 1,4,16,64 --rounds 3
+    python -m benchmarks.ab --quick                  # smoke run, under two minutes
+    python -m benchmarks.ab --model tiny --rss-run 2000   # memory drift of mlx_serve
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks import environment
+from benchmarks.loadgen import Target, run_load
+from benchmarks.memory import rss_run
+from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
+from benchmarks.servers import (
+    BatchConfig,
+    ServerProcess,
+    blas_env,
+    find_openblas,
+    free_port,
+    mlx_lm_command,
+    mlx_serve_command,
+)
+from benchmarks.workload import Workload, build_prompts, load_tokenizer
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class ABConfig:
+    model: str = "tiny"
+    concurrencies: tuple[int, ...] = (1, 4, 16, 64)
+    rounds: int = 3
+    prompt_tokens: int = 128
+    output_tokens: int = 128
+    requests_per_stream: int = 4  # a run sends max(min_requests, this * concurrency)
+    min_requests: int = 16
+    batch: BatchConfig = BatchConfig()
+    api: str = "completions"
+    stream: bool = True
+    seed: int = 0
+    run_time_limit: float = 120.0
+    request_timeout: float = 60.0
+    startup_timeout: float = 120.0
+    health_probe: float | None = 0.2
+    targets: tuple[str, ...] = (ENGINE, OURS, MLX_LM)
+    blas: str = "auto"  # auto: OpenBLAS for all three when installed (mlx_serve's default)
+
+    def workload(self, concurrency: int, seed: int) -> Workload:
+        n = max(self.min_requests, self.requests_per_stream * concurrency)
+        return Workload(self.prompt_tokens, self.output_tokens, n, concurrency, seed,
+                        None, self.run_time_limit)
+
+
+def resolve_model_path(spec: str, workdir: Path) -> str:
+    """``tiny``: the tiny random model; ``default`` / ``default-f32``: SmolLM2 in 4-bit or
+    dequantized to float32 (mlx_serve's form with OpenBLAS); else a model folder."""
+    if spec == "tiny":
+        from mlx_serve.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(workdir / "tiny-model"))
+    if spec in ("default", "default-f32"):
+        from mlx_serve.models import resolve_model
+
+        return resolve_model(None, dequantize=spec == "default-f32")[0]
+    return spec
+
+
+def resolve_blas(choice: str) -> str | None:
+    """The OpenBLAS library every contender gets, or None for MLX's bundled BLAS."""
+    if choice == "reference":
+        return None
+    library = find_openblas()
+    if library is None and choice == "openblas":
+        raise SystemExit("OpenBLAS not found (apt-get install libopenblas0-pthread)")
+    return library
+
+
+class ABRunner:
+    def __init__(self, config: ABConfig, model_path: str, workdir: Path,
+                 servers: dict[str, ServerProcess], openblas: str | None) -> None:
+        self.config, self.model_path, self.workdir = config, model_path, workdir
+        self.servers, self.openblas = servers, openblas
+        self.tokenizer = load_tokenizer(model_path)
+        self.runs: list[dict[str, Any]] = []
+
+    def prompts(self, workload: Workload) -> tuple[list[str], list[str]]:
+        """Fresh prompts per (round, concurrency): no server ever sees one twice."""
+        texts = build_prompts(self.tokenizer, workload.num_requests + 1,
+                              workload.prompt_tokens, workload.seed)
+        return texts[1:], texts[:1]
+
+    def run_all(self) -> None:
+        cfg = self.config
+        for rnd in range(cfg.rounds):
+            for conc in cfg.concurrencies:
+                workload = cfg.workload(conc, cfg.seed + 1000 * rnd + conc)
+                prompts, warmup = self.prompts(workload)
+                for name in cfg.targets:
+                    load_before = os.getloadavg()[0]
+                    result = self.run_one(name, workload, prompts, warmup)
+                    self.runs.append({"round": rnd, "concurrency": conc, "target": name,
+                                      "loadavg_1m": [load_before, os.getloadavg()[0]],
+                                      "result": result})
+                    print(format_runs(self.runs[-1:]), flush=True)
+
+    def run_one(self, name: str, workload: Workload, prompts: list[str],
+                warmup: list[str]) -> dict[str, Any]:
+        if name == ENGINE:
+            return self.run_engine(workload, prompts, warmup)
+        cfg = self.config
+        target = Target(self.servers[name].base_url, cfg.api, cfg.stream, None,
+                        cfg.request_timeout, cfg.health_probe)
+        return asyncio.run(run_load(target, workload, prompts, tuple(warmup)))
+
+    def run_engine(self, workload: Workload, prompts: list[str],
+                   warmup: list[str]) -> dict[str, Any]:
+        """The engine harness in a fresh process (its own MLX state), bounded in time."""
+        prompts_file = self.workdir / "prompts.json"
+        out = self.workdir / "engine.json"
+        prompts_file.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
+        b = self.config.batch
+        cmd = [sys.executable, "-m", "benchmarks.engine_limit", "--model", self.model_path,
+               "--concurrency", str(workload.concurrency),
+               "--num-requests", str(workload.num_requests),
+               "--prompt-tokens", str(workload.prompt_tokens),
+               "--output-tokens", str(workload.output_tokens),
+               "--time-limit", str(workload.time_limit), "--seed", str(workload.seed),
+               "--decode-batch-size", str(b.decode_batch_size),
+               "--prefill-batch-size", str(b.prefill_batch_size),
+               "--prefill-step-size", str(b.prefill_step_size),
+               "--prompts-file", str(prompts_file), "--json", str(out)]
+        with open(self.workdir / "engine.log", "ab") as log:
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
+                           timeout=workload.time_limit + 120, cwd=Path(__file__).parent.parent,
+                           env=blas_env(self.openblas))
+        return json.loads(out.read_text())
+
+    def warm_servers(self) -> None:
+        """One burst per server at the largest concurrency, short outputs, own prompts."""
+        cfg = self.config
+        conc = max(cfg.concurrencies)
+        workload = Workload(cfg.prompt_tokens, 8, conc, conc, cfg.seed + 999_999, None, 60.0)
+        prompts, _ = self.prompts(workload)
+        for name, server in self.servers.items():
+            target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout)
+            summary = asyncio.run(run_load(target, workload, prompts))["summary"]
+            print(f"warm-up {name}: {summary['completed']} ok, {summary['failed']} failed",
+                  flush=True)
+
+
+def start_servers(config: ABConfig, model_path: str, workdir: Path, openblas: str | None,
+                  stack: contextlib.ExitStack) -> dict[str, ServerProcess]:
+    """Start the servers the config names, register their stop, wait (bounded) for ready."""
+    commands = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
+    servers = {}
+    for name in config.targets:
+        if name in commands:
+            port = free_port()
+            command = commands[name](model_path, port, config.batch)
+            if name == OURS:
+                command.append("--openblas" if openblas else "--no-openblas")
+            server = ServerProcess(name, command, port, workdir / f"{name}.log",
+                                   blas_env(openblas))
+            stack.callback(server.stop)
+            servers[name] = server
+    for server in servers.values():
+        server.wait_ready(config.startup_timeout)
+        print(f"{server.name} ready on {server.base_url} (pid {server.pid})", flush=True)
+    return servers
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str]) -> dict[str, Any]:
+    """The whole A/B (or the memory mode); an interrupt keeps what was measured so far."""
+    started = time.monotonic()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="ab-", dir=RESULTS_DIR))
+    model_path = resolve_model_path(config.model, workdir)
+    openblas = resolve_blas(config.blas)
+    if rss_requests:
+        config = replace(config, targets=(OURS,))
+    report: dict[str, Any] = {"meta": environment.describe(argv, model_path),
+                              "config": asdict(config), "openblas": openblas,
+                              "workdir": str(workdir)}
+    runner: ABRunner | None = None
+    try:
+        with contextlib.ExitStack() as stack:  # stops every started server, always
+            servers = start_servers(config, model_path, workdir, openblas, stack)
+            runner = ABRunner(config, model_path, workdir, servers, openblas)
+            if rss_requests:
+                report["rss"] = rss_run(servers[OURS], runner, rss_requests)
+            else:
+                runner.warm_servers()
+                runner.run_all()
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+        print("interrupted; every started server has been stopped", file=sys.stderr)
+    if runner is not None and runner.runs:
+        report["runs"], report["ratios"] = runner.runs, ratios(runner.runs)
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny",
+                   help="tiny | default (SmolLM2 4-bit) | default-f32 | a model folder")
+    p.add_argument("--blas", choices=("auto", "openblas", "reference"), default="auto",
+                   help="BLAS for all three contenders (auto: OpenBLAS when installed)")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated list")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--requests-per-stream", type=int, default=4,
+                   help="a run sends max(--min-requests, this x concurrency) requests")
+    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--decode-batch-size", type=int, default=64)
+    p.add_argument("--prefill-batch-size", type=int, default=8)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--api", choices=("completions", "chat"), default="completions")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--run-time-limit", type=float, default=120.0, help="seconds per run")
+    p.add_argument("--health-probe", type=float, default=0.2, help="seconds; 0 disables")
+    p.add_argument("--targets", default=f"{ENGINE},{OURS},{MLX_LM}")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
+    p.add_argument("--rss-run", type=int, default=None, metavar="N",
+                   help="memory mode: N requests against mlx_serve, RSS drift")
+    p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ABConfig:
+    if args.quick:
+        return ABConfig(model="tiny", concurrencies=(1, 8), rounds=2, prompt_tokens=64,
+                        output_tokens=32, requests_per_stream=2, min_requests=8,
+                        batch=BatchConfig(8, 8, 512), run_time_limit=30.0, blas=args.blas)
+    return ABConfig(
+        model=args.model, concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
+        rounds=args.rounds, prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens, requests_per_stream=args.requests_per_stream,
+        min_requests=args.min_requests,
+        batch=BatchConfig(args.decode_batch_size, args.prefill_batch_size,
+                          args.prefill_step_size),
+        api=args.api, stream=args.stream, run_time_limit=args.run_time_limit,
+        health_probe=args.health_probe or None, targets=tuple(args.targets.split(",")),
+        blas=args.blas)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    # A shell may start us with SIGINT ignored (background jobs): take it back, so Ctrl-C
+    # and SIGTERM both end the run through the servers' stop.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    report = run_ab(config, args.rss_run, argv)
+    out = Path(args.out) if args.out else RESULTS_DIR / f"ab-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(report, indent=2))
+    if "ratios" in report:
+        print()
+        print(format_ratios(report["ratios"]))
+    print(f"\nwall {report['wall_s']} s; results in {out}")
+    if report.get("interrupted"):
+        return 130
+    # mlx_lm.server's failures are a finding; ours or the engine's fail the run.
+    ours_failed = sum(r["result"]["summary"]["failed"] for r in report.get("runs", [])
+                      if r["target"] != MLX_LM)
+    ours_failed += report.get("rss", {}).get("failed", 0)
+    return 1 if ours_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The engine limit: the HTTP workload run in-process through mlx-lm's BatchGenerator.
+
+Same prompts, output length, batch settings and arrival pattern as the load generator
+(closed loop keeping ``concurrency`` sequences in flight, or Poisson arrivals), greedy
+sampling and the model's end-of-sequence tokens as stop tokens, like the servers. Times
+are taken when ``BatchGenerator.next()`` hands a token back; with detokenization on
+(default) only tokens that release text count as chunks, exactly as the HTTP client
+counts SSE chunks with non-empty text. No HTTP, no threads, no event loop: the ceiling
+a server can approach.
+
+    python -m benchmarks.engine_limit --model MODEL_DIR --concurrency 16 \\
+        --num-requests 64 --prompt-tokens 128 --output-tokens 128 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.metrics import RequestRecord, format_table, summarize
+from benchmarks.workload import Workload, build_prompts
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    decode_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+
+
+@dataclass
+class _InFlight:
+    arrival: float
+    detokenizer: Any
+    record: RequestRecord = field(default_factory=RequestRecord)
+    last: float | None = None
+
+
+class EngineHarness:
+    """Drives one BatchGenerator the way a server would, minus the server."""
+
+    def __init__(self, model: Any, tokenizer: Any, batch: BatchSettings,
+                 detokenize: bool = True) -> None:
+        from mlx_lm.generate import StopSequences
+
+        self.model, self.tokenizer, self.batch = model, tokenizer, batch
+        self.detokenize = detokenize
+        self._eos = StopSequences([(t,) for t in sorted(tokenizer.eos_token_ids)])
+
+    def _generator(self) -> Any:
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(self.model,
+                              completion_batch_size=self.batch.decode_batch_size,
+                              prefill_batch_size=self.batch.prefill_batch_size,
+                              prefill_step_size=self.batch.prefill_step_size)
+
+    def run(self, prompts: list[list[int]], workload: Workload) -> dict[str, Any]:
+        """Run ``prompts`` (token ids) under the workload's arrival pattern; summarize."""
+        from mlx_lm.sample_utils import greedy_sampler
+
+        gen = self._generator()
+        arrivals = _arrival_times(workload)
+        waiting = deque(range(min(len(prompts), workload.num_requests)))
+        inflight: dict[int, _InFlight] = {}
+        records: list[RequestRecord] = []
+        start = last_done = time.perf_counter()
+        try:
+            while waiting or inflight:
+                now = time.perf_counter() - start
+                if now > workload.time_limit:
+                    break
+                admit = self._due(waiting, inflight, arrivals, workload.concurrency, now)
+                if admit:
+                    uids = gen.insert([prompts[i] for i in admit],
+                                      max_tokens=[workload.output_tokens] * len(admit),
+                                      samplers=[greedy_sampler] * len(admit),
+                                      logits_processors=[[] for _ in admit],
+                                      stop_sequences=[self._eos] * len(admit))
+                    t = time.perf_counter()
+                    for uid in uids:
+                        inflight[uid] = _InFlight(t, self._new_detokenizer())
+                if not inflight:
+                    time.sleep(min(0.01, max(0.0, arrivals[waiting[0]] - now)))
+                    continue
+                _, responses = gen.next()
+                if self._emit(responses, inflight, records):
+                    last_done = time.perf_counter()
+        finally:
+            gen.close()
+        records.extend(RequestRecord(error="not finished at the time limit") for _ in inflight)
+        return summarize(records, last_done - start)
+
+    @staticmethod
+    def _due(waiting: deque[int], inflight: dict[int, _InFlight], arrivals: list[float],
+             limit: int, now: float) -> list[int]:
+        admit: list[int] = []
+        while waiting and len(inflight) + len(admit) < limit and arrivals[waiting[0]] <= now:
+            admit.append(waiting.popleft())
+        return admit
+
+    def _new_detokenizer(self) -> Any:
+        return self.tokenizer.detokenizer if self.detokenize else None
+
+    def _emit(self, responses: list[Any], inflight: dict[int, _InFlight],
+              records: list[RequestRecord]) -> bool:
+        """Account one step's tokens; return True when a request finished."""
+        now = time.perf_counter()
+        finished = False
+        for r in responses:
+            state = inflight[r.uid]
+            rec = state.record
+            rec.output_tokens += 1
+            if _releases_text(state.detokenizer, r):
+                t = now - state.arrival
+                if rec.ttft is None:
+                    rec.ttft = t
+                else:
+                    rec.itl.append(t - state.last)  # type: ignore[operator]
+                state.last = t
+            if r.finish_reason is not None:
+                rec.e2e, rec.ok = now - state.arrival, True
+                records.append(rec)
+                del inflight[r.uid]
+                finished = True
+        return finished
+
+
+def _releases_text(detokenizer: Any, response: Any) -> bool:
+    """Feed the streaming detokenizer as a server does; True if text came out."""
+    if detokenizer is None:
+        return response.finish_reason != "stop"
+    if response.finish_reason == "stop":  # end-of-sequence: never shown
+        detokenizer.finalize()
+    else:
+        detokenizer.add_token(response.token)
+        if response.finish_reason is not None:
+            detokenizer.finalize()
+    return bool(detokenizer.last_segment)
+
+
+def _arrival_times(workload: Workload) -> list[float]:
+    """Seconds after start at which each request may enter (0 for the closed loop)."""
+    if not workload.rate:
+        return [0.0] * workload.num_requests
+    rng = random.Random(workload.seed)
+    times, t = [], 0.0
+    for _ in range(workload.num_requests):
+        times.append(t)
+        t += rng.expovariate(workload.rate)
+    return times
+
+
+def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
+                     prompts: list[str], warmup_prompts: list[str],
+                     detokenize: bool = True) -> dict[str, Any]:
+    """Load the model, warm up, run the workload; return the loadgen-shaped result."""
+    from mlx_lm import load
+
+    model, tokenizer = load(model_path)[:2]
+    harness = EngineHarness(model, tokenizer, batch, detokenize)
+    encode = [list(tokenizer.encode(p)) for p in prompts]
+    if warmup_prompts:
+        warm = Workload(workload.prompt_tokens, workload.output_tokens, len(warmup_prompts), 1)
+        harness.run([list(tokenizer.encode(p)) for p in warmup_prompts], warm)
+    summary = harness.run(encode, workload)
+    summary["prompt_tokens"] = sum(len(p) for p in encode[:summary["completed"]])
+    target = {"engine": "mlx_lm BatchGenerator", "model": model_path,
+              "detokenize": detokenize, **batch.__dict__}
+    return {"target": target, "workload": workload.as_dict(), "summary": summary}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_limit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="mlx-lm model folder")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--rate", type=float, default=None, help="open loop: Poisson requests/s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-limit", type=float, default=300.0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--decode-batch-size", type=int, default=32)
+    p.add_argument("--prefill-batch-size", type=int, default=8)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prompts-file", default=None,
+                   help='JSON {"prompts": [...], "warmup": [...]} (overrides --seed)')
+    p.add_argument("--json", default=None, help="write the result here")
+    return p
+
+
+def _prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    if args.prompts_file:
+        with open(args.prompts_file) as fh:
+            data = json.load(fh)
+        return data["prompts"], data.get("warmup", [])
+    from benchmarks.workload import load_tokenizer
+
+    texts = build_prompts(load_tokenizer(args.model), args.num_requests + args.warmup,
+                          args.prompt_tokens, args.seed)
+    return texts[args.warmup:], texts[:args.warmup]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    workload = Workload(args.prompt_tokens, args.output_tokens, args.num_requests,
+                        args.concurrency, args.seed, args.rate, args.time_limit)
+    batch = BatchSettings(args.decode_batch_size, args.prefill_batch_size,
+                          args.prefill_step_size)
+    prompts, warmup = _prompts(args)
+    result = run_engine_limit(args.model, workload, batch, prompts, warmup, args.detokenize)
+    print(format_table(result["summary"], f"engine {args.model} {workload.as_dict()}"))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0 if result["summary"]["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

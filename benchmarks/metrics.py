@@ -1,0 +1,113 @@
+"""vLLM's serving metrics (benchmarks/benchmark_serving.py), computed the same way.
+
+Per request (times in seconds from the moment the request was sent):
+
+- TTFT: arrival of the first chunk carrying non-empty generated text.
+- ITL: every gap between two successive chunks carrying non-empty text (pooled over all
+  requests before taking percentiles).
+- E2E latency: arrival of the end of the reply (``[DONE]`` or the whole JSON body).
+- TPOT: ``(e2e - ttft) / (output_tokens - 1)``, for requests with more than one token.
+
+Per run: completed and failed requests, request throughput (completed / duration),
+output tokens/s (completion tokens from ``usage`` / duration), duration being the first
+send to the last completion. Percentiles use numpy's default (linear interpolation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured. Times are seconds since it was sent."""
+
+    ok: bool = False
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99 and mean in milliseconds; None when there is nothing to measure."""
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    arr = np.asarray(values, dtype=float) * 1000.0
+    out: dict[str, float | None] = {"mean": round(float(arr.mean()), 3)}
+    for p in PERCENTILES:
+        out[f"p{p}"] = round(float(np.percentile(arr, p)), 3)
+    return out
+
+
+def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
+    """The run's summary, vLLM's definitions; latencies in ms."""
+    done = [r for r in records if r.ok]
+    output = sum(r.output_tokens for r in done)
+    duration = max(duration, 1e-9)
+    samples = {
+        "ttft": [r.ttft for r in done if r.ttft is not None],
+        "tpot": [t for r in done if (t := r.tpot) is not None],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2e": [r.e2e for r in done if r.e2e is not None],
+    }
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            key = (r.error or "unknown")[:120]
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": round(duration, 4),
+        "request_throughput": round(len(done) / duration, 4),
+        "output_tokens": output,
+        "output_throughput": round(output / duration, 3),
+        "mean_output_tokens": round(output / len(done), 2) if done else 0,
+        "prompt_tokens": sum(r.prompt_tokens for r in done),
+        **{f"{name}_ms": percentiles(samples[name]) for name in LATENCY_METRICS},
+        "errors": errors,
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_table(summary: dict[str, Any], title: str = "") -> str:
+    """A short human-readable table of one summary."""
+    lines = [title] if title else []
+    lines.append(
+        f"completed {summary['completed']}  failed {summary['failed']}  "
+        f"duration {summary['duration_s']:.2f} s  "
+        f"req/s {summary['request_throughput']:.2f}  "
+        f"output tok/s {summary['output_throughput']:.1f}  "
+        f"(mean {summary['mean_output_tokens']} tok/req)"
+    )
+    lines.append(f"{'ms':<6}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for name in LATENCY_METRICS:
+        row = summary[f"{name}_ms"]
+        lines.append(f"{name.upper():<6}" + "".join(f"{_fmt(row[f'p{p}']):>10}"
+                                                   for p in PERCENTILES))
+    if summary.get("health"):
+        h = summary["health"]
+        lat = h["latency_ms"]
+        lines.append(f"/health probes {h['probes']} (failed {h['failed']}): "
+                     f"p50 {_fmt(lat['p50'])} ms  p99 {_fmt(lat['p99'])} ms")
+    for error, count in summary["errors"].items():
+        lines.append(f"  error x{count}: {error}")
+    return "\n".join(lines)

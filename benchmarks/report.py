@@ -1,0 +1,135 @@
+"""A/B figures: per-round ratios between contenders, as median [min–max] over rounds.
+
+Ratios are taken within a round (adjacent runs on the same prompts), then summarized
+across rounds: on a noisy machine, ratios measured side by side are the figures that
+count, never a lone absolute time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+ENGINE, OURS, MLX_LM = "engine", "mlx_serve", "mlx_lm"
+PAIRS = ((OURS, ENGINE), (MLX_LM, ENGINE), (OURS, MLX_LM))
+
+Getter = Callable[[dict[str, Any]], float | None]
+
+METRICS: dict[str, Getter] = {
+    "output tok/s": lambda s: s["output_throughput"],
+    "TTFT p50": lambda s: s["ttft_ms"]["p50"],
+    "ITL p50": lambda s: s["itl_ms"]["p50"],
+    "ITL p90": lambda s: s["itl_ms"]["p90"],
+    "TPOT p50": lambda s: s["tpot_ms"]["p50"],
+}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """{concurrency: {metric: {"a/b": spread}}} from the flat list of runs."""
+    by_key: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        by_key.setdefault((run["concurrency"], run["round"]), {})[run["target"]] = \
+            run["result"]["summary"]
+    out: dict[str, Any] = {}
+    for conc in sorted({c for c, _ in by_key}):
+        rounds = [v for (c, _), v in sorted(by_key.items()) if c == conc]
+        table: dict[str, Any] = {}
+        for metric, get in METRICS.items():
+            table[metric] = {}
+            for a, b in PAIRS:
+                values = [r for s in rounds if a in s and b in s
+                          if (r := _ratio(get(s[a]), get(s[b]))) is not None]
+                table[metric][f"{a}/{b}"] = spread(values)
+        table["failed"] = {name: sum(s[name]["failed"] for s in rounds if name in s)
+                           for name in (ENGINE, OURS, MLX_LM)}
+        table["health_p99_ms"] = {name: _max_health(rounds, name) for name in (OURS, MLX_LM)}
+        out[str(conc)] = table
+    return out
+
+
+def _max_health(rounds: list[dict[str, Any]], name: str) -> float | None:
+    values = [s[name]["health"]["latency_ms"]["p99"] for s in rounds
+              if name in s and s[name].get("health")]
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def _cell(sp: dict[str, float] | None) -> str:
+    if sp is None:
+        return "-"
+    return f"{sp['median']:.2f} [{sp['min']:.2f}-{sp['max']:.2f}]"
+
+
+def format_ratios(table: dict[str, Any]) -> str:
+    """Plain-text table; also valid Markdown."""
+    pairs = [f"{a}/{b}" for a, b in PAIRS]
+    header = "| conc | metric | " + " | ".join(pairs) + " |"
+    lines = [header, "|" + "---|" * (2 + len(pairs))]
+    for conc, rows in table.items():
+        for metric in METRICS:
+            cells = " | ".join(_cell(rows[metric][p]) for p in pairs)
+            lines.append(f"| {conc} | {metric} | {cells} |")
+    lines.append("")
+    lines.append("| conc | failed requests (engine / mlx_serve / mlx_lm) "
+                 "| /health p99 ms, worst round (mlx_serve / mlx_lm) |")
+    lines.append("|---|---|---|")
+    for conc, rows in table.items():
+        f, h = rows["failed"], rows["health_p99_ms"]
+        health = " / ".join("-" if h[n] is None else f"{h[n]:.1f}" for n in (OURS, MLX_LM))
+        lines.append(f"| {conc} | {f[ENGINE]} / {f[OURS]} / {f[MLX_LM]} | {health} |")
+    return "\n".join(lines)
+
+
+def format_runs(runs: list[dict[str, Any]]) -> str:
+    """One line per run: the raw figures behind the ratios."""
+    lines = []
+    for run in runs:
+        s = run["result"]["summary"]
+        lines.append(
+            f"round {run['round']} c={run['concurrency']:<3} {run['target']:<9} "
+            f"ok {s['completed']:>4} fail {s['failed']:>3}  tok/s {s['output_throughput']:>8.1f}"
+            f"  TTFT p50 {_num(s['ttft_ms']['p50'])}  ITL p50 {_num(s['itl_ms']['p50'])}"
+            f"  mean out {s['mean_output_tokens']}")
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:8.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.report RESULTS.json [--runs]``: reprint a saved A/B."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=main.__doc__)
+    p.add_argument("results")
+    p.add_argument("--runs", action="store_true", help="also list every run")
+    args = p.parse_args(argv)
+    with open(args.results) as fh:
+        report = json.load(fh)
+    meta = report.get("meta", {})
+    print(f"{meta.get('date')}  {meta.get('command')}")
+    print(f"machine: {meta.get('machine')}")
+    if args.runs:
+        print(format_runs(report["runs"]))
+    print(format_ratios(ratios(report["runs"])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

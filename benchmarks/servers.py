@@ -1,0 +1,133 @@
+"""Start, probe and stop the servers under test; read a process's resident memory.
+
+Every server runs in its own session (so a terminal's Ctrl-C reaches only the runner,
+which then stops it in order): SIGINT, then SIGTERM, then SIGKILL, each bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Batch settings given identically to the engine harness and both servers."""
+
+    decode_batch_size: int = 64
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+)
+
+
+def find_openblas() -> str | None:
+    """Debian's OpenBLAS, which mlx_serve preloads by default on Linux when installed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return next((p for p in OPENBLAS_CANDIDATES if Path(p).exists()), None)
+
+
+def blas_env(openblas: str | None) -> dict[str, str]:
+    """Environment giving a child process the same BLAS as the others (None: bundled)."""
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if openblas:
+        env["LD_PRELOAD"] = openblas
+    return env
+
+
+def mlx_serve_command(model: str, port: int, batch: BatchConfig) -> list[str]:
+    return [sys.executable, "-m", "mlx_serve", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--decode-batch-size", str(batch.decode_batch_size),
+            "--prefill-batch-size", str(batch.prefill_batch_size),
+            "--prefill-step-size", str(batch.prefill_step_size),
+            "--max-queue", "4096", "--log-level", "warning"]
+
+
+def mlx_lm_command(model: str, port: int, batch: BatchConfig) -> list[str]:
+    return [sys.executable, "-m", "mlx_lm", "server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--decode-concurrency", str(batch.decode_batch_size),
+            "--prompt-concurrency", str(batch.prefill_batch_size),
+            "--prefill-step-size", str(batch.prefill_step_size), "--log-level", "WARNING"]
+
+
+class ServerProcess:
+    """One server subprocess with its log file; ``stop()`` is idempotent."""
+
+    def __init__(self, name: str, command: list[str], port: int, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name, self.command, self.port, self.log_path = name, command, port, log_path
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll GET /health until 200; raise if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; "
+                                   f"see {self.log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+            if self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        self._log.close()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (psutil when installed, else /proc/PID/status)."""
+    try:
+        import psutil  # type: ignore[import-untyped]
+    except ImportError:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for pid {pid}") from None
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` so far (Linux /proc), for idle-load checks."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks

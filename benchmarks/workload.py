@@ -1,0 +1,94 @@
+"""The workload every contender runs: seeded prompts of an exact token length.
+
+A prompt is built from whole-word vocabulary pieces (" word") that the byte-level BPE
+pre-tokenizer keeps apart, then checked with the model's own tokenizer and trimmed or
+padded until ``tokenizer.encode(text)`` has exactly the asked length. The servers under
+test tokenize ``/v1/completions`` text with the same call, and the engine harness uses
+it too, so all three see the same prompt tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, cast
+
+_WORD = re.compile(r"^ [A-Za-z]{2,}$")
+_MAX_FIX_STEPS = 64
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to send: the same description drives the HTTP load generator and the engine."""
+
+    prompt_tokens: int = 128
+    output_tokens: int = 128
+    num_requests: int = 64
+    concurrency: int = 4
+    seed: int = 0
+    rate: float | None = None  # requests/s (Poisson); None: closed loop at ``concurrency``
+    time_limit: float = 300.0  # seconds; requests not started by then are not sent
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The Hugging Face tokenizer of an mlx-lm model folder (what mlx-lm itself loads)."""
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers import AutoTokenizer
+
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(path))
+
+
+def word_pieces(tokenizer: Tokenizer) -> list[str]:
+    """Vocabulary entries of the form " word" that encode back to exactly one token."""
+    vocab_size = len(tokenizer)  # type: ignore[arg-type]
+    pieces = []
+    for token_id in range(vocab_size):
+        text = tokenizer.decode([token_id])
+        if _WORD.match(text) and _encode(tokenizer, text) == [token_id]:
+            pieces.append(text)
+    if len(pieces) < 8:
+        raise ValueError(f"only {len(pieces)} single-token words in this vocabulary")
+    return pieces
+
+
+def build_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[str]:
+    """``count`` distinct seeded prompts, each exactly ``length`` tokens long."""
+    if length < 1:
+        raise ValueError("prompt length must be at least 1 token")
+    pieces = word_pieces(tokenizer)
+    rng = random.Random(seed)
+    return [_exact_prompt(tokenizer, pieces, length, rng) for _ in range(count)]
+
+
+def _exact_prompt(tokenizer: Tokenizer, pieces: list[str], length: int,
+                  rng: random.Random) -> str:
+    words = [rng.choice(pieces) for _ in range(length)]
+    for _ in range(_MAX_FIX_STEPS):
+        have = len(_encode(tokenizer, "".join(words)))
+        if have == length:
+            return "".join(words)
+        if have > length:
+            del words[-min(have - length, len(words) - 1):]
+        else:
+            words.extend(rng.choice(pieces) for _ in range(length - have))
+    raise ValueError(f"could not build a prompt of exactly {length} tokens")
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text))
+
+
+def prompt_token_ids(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:
+    return [_encode(tokenizer, p) for p in prompts]
