@@ -101,9 +101,11 @@ class Runner:
         if not self._by_uid:
             return StepOutcome(failed=tuple(failed))
         try:
-            self._failpoints.check("engine.step", self._users())
+            if self._failpoints:  # the users set is built only when fail points exist
+                self._failpoints.check("engine.step", self._users())
             prompt_responses, responses = self._batch.next()
-            self._failpoints.check("engine.detokenize", self._users())
+            if self._failpoints:
+                self._failpoints.check("engine.detokenize", self._users())
             self._release_waiting(prompt_responses)
         except Exception as exc:
             return StepOutcome(failed=tuple(failed), error=exc)

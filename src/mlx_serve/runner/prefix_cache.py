@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 _MODEL_KEY = "served"  # one model per server
@@ -45,4 +46,7 @@ class PrefixCache:
 
     def store(self, tokens: list[int], cache: list[Any]) -> None:
         if self._lru is not None and tokens:
+            # An extracted cache is a lazy slice of the whole batch's KV buffers: left
+            # lazy it would pin all of them, far beyond the bytes the budget counts.
+            mx.eval([c.state for c in cache])
             self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
