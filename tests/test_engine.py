@@ -85,7 +85,8 @@ async def test_queued_request_whose_client_left_is_never_run(tiny_model_dir):
         engine.failpoints.release()
         assert (await drain(first)).tokens == 2
         await wait_until(lambda: engine.idle)
-        assert engine.statistics().steps <= 4
+        # Its own run would add at least two steps; one pipelined step may trail the first.
+        assert engine.statistics().steps <= 5
 
 
 async def test_full_inbox_answers_at_once(tiny_model_dir):

@@ -16,8 +16,9 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -39,17 +40,24 @@ from mlx_serve.recovery import Decision, Isolation
 
 log = logging.getLogger(__name__)
 
+# Steps in the MLX thread's hands at once: the running one and the next, queued.
+PIPELINE_DEPTH = 2
+
 __all__ = ["ALIVE_STATES", "Engine", "EngineConfig", "EngineState", "EngineStatistics",
            "RequestHandle"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Step:
     """A step submitted to the MLX thread."""
 
-    future: asyncio.Future[StepOutcome]
     in_step: frozenset[str]  # the requests taking part, for blame if it fails
-    started: float
+    future: asyncio.Future[StepOutcome] = field(init=False)
+    started: float | None = None  # set on the MLX thread when the step begins
+    def run(self, runner: Any, admissions: list[GenerationRequest],
+            cancellations: list[str]) -> StepOutcome:
+        self.started = time.monotonic()
+        return runner.step(admissions, cancellations)
 
 
 class _EngineFailed(Exception):
@@ -205,18 +213,23 @@ class Engine:
             if not self._draining:
                 self._state = EngineState.READY
             self.ready.set()
-            step: _Step | None = None
-            while not self._aborted and (step is not None or await self._wait_for_work()):
-                step = step or self._launch_step()
+            inflight: deque[_Step] = deque()
+            while not self._aborted:
+                if not inflight:
+                    if not await self._wait_for_work():
+                        break
+                    inflight.append(self._launch_step())
+                if len(inflight) < PIPELINE_DEPTH and self._can_pipeline():
+                    # The next step waits in the MLX thread's queue while this one runs:
+                    # the thread goes from step to step without waiting for the event
+                    # loop, which meanwhile fans out deltas and writes to clients.
+                    inflight.append(self._launch_step())
+                step = inflight.popleft()
                 outcome = await self._await_step(step)
-                if outcome is None:  # wedged, and already dealt with
-                    step = None
+                if outcome is None:  # wedged or aborted, and dealt with: queued steps are moot
+                    inflight.clear()
                     continue
-                finished_step = step
-                # Overlap: the MLX thread starts the next step while this one's deltas
-                # are fanned out and the event loop writes them to clients.
-                step = self._launch_step() if self._can_overlap(outcome) else None
-                await self._handle(outcome, finished_step.in_step)
+                await self._handle(outcome, step.in_step)
         except _EngineFailed as exc:
             log.critical("the generation engine failed for good: %s", exc)
             self._state, self._error = EngineState.FAILED, str(exc)
@@ -276,25 +289,23 @@ class Engine:
     def _launch_step(self) -> _Step:
         admissions = self._take_admissions()
         cancellations = self._take_cancellations()
-        in_step = self._in_batch(admissions)
-        job = self._mlx.submit(self.runner.step, admissions, cancellations)
-        return _Step(asyncio.wrap_future(job), in_step, time.monotonic())
+        step = _Step(self._in_batch(admissions))
+        step.future = asyncio.wrap_future(
+            self._mlx.submit(step.run, self.runner, admissions, cancellations))
+        return step
 
-    def _can_overlap(self, outcome: StepOutcome) -> bool:
-        """Only in plain serving, and only when some request goes on after this step."""
-        if outcome.error is not None or self._batch is not None or self._isolation.recovering:
-            return False
-        ending = {rid for rid, d in outcome.deltas if d.finish_reason is not None}
-        ending.update(rid for rid, _ in outcome.failed)
-        return len(self._open) > len(ending & self._open.keys())
+    def _can_pipeline(self) -> bool:
+        """Queue a step behind the running one only in plain serving, with work left."""
+        return bool(self._open) and self._batch is None and not self._isolation.recovering
 
     async def _await_step(self, step: _Step) -> StepOutcome | None:
         """Wait for a step, never abandoning it; one past its deadline wedges the engine.
 
         Returns None when the engine wedged or was aborted meanwhile.
         """
-        self._step_started = step.started
-        remaining = self._config.step_timeout - (time.monotonic() - step.started)
+        started = step.started or time.monotonic()  # not begun yet: its turn is now
+        self._step_started = started
+        remaining = self._config.step_timeout - (time.monotonic() - started)
         outcome: StepOutcome | None = None
         try:
             with anyio.CancelScope(shield=True):
@@ -339,6 +350,8 @@ class Engine:
     async def _handle(self, outcome: StepOutcome, in_step: frozenset[str]) -> None:
         for rid, exc in outcome.failed:
             self._finish(rid, Failure(_as_request_error(exc)))
+        if outcome.skipped:  # queued behind a failed step: admitted, not stepped
+            return
         self._deliver(outcome.deltas)
         if outcome.error is None:
             decision = self._isolation.on_success(in_step)

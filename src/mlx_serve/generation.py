@@ -103,3 +103,4 @@ class StepOutcome:
     deltas: tuple[tuple[str, Delta], ...] = ()
     failed: tuple[tuple[str, Exception], ...] = ()  # requests that failed alone
     error: BaseException | None = None  # the step itself failed: rebuild before the next
+    skipped: bool = False  # queued behind a failed step: admissions taken, nothing stepped

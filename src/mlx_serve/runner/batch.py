@@ -81,6 +81,7 @@ class Runner:
         self.token_texts = TokenTexts(tokenizer)
         self._live: dict[str, _Live] = {}
         self._by_uid: dict[int, _Live] = {}
+        self._broken = False  # the last step failed: nothing steps until a rebuild
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         # Choices of one prompt wait for its first sequence's prefill, then reuse its KV.
         self._waiting_for_prefill: dict[tuple[int, ...], list[_Live]] = {}
@@ -96,6 +97,8 @@ class Runner:
         Never raises: a fault of one request is reported in ``failed``, a fault of the
         step itself in ``error`` (the batch must then be rebuilt before the next step).
         """
+        if self._broken:  # a step behind a failed one: take its requests, step nothing
+            return self._take_while_broken(admissions, cancellations)
         self._remove(cancellations)
         failed = [f for f in (self._admit(r) for r in admissions) if f is not None]
         if not self._by_uid:
@@ -108,6 +111,7 @@ class Runner:
                 self._failpoints.check("engine.detokenize", self._users())
             self._release_waiting(prompt_responses)
         except Exception as exc:
+            self._broken = True
             return StepOutcome(failed=tuple(failed), error=exc)
         deltas = []
         for r in responses:
@@ -121,6 +125,18 @@ class Runner:
                 failed.append((live.request.request_id, exc))
         return StepOutcome(deltas=tuple(deltas), failed=tuple(failed))
 
+    def _take_while_broken(self, admissions: Sequence[GenerationRequest],
+                           cancellations: Collection[str]) -> StepOutcome:
+        """Record new and departed requests; the next rebuild replays the live ones."""
+        for request_id in cancellations:
+            live = self._live.pop(request_id, None)
+            if live is not None and live.uid is not None:
+                self._by_uid.pop(live.uid, None)
+        for request in admissions:
+            text = TextPipeline(self.tokenizer.detokenizer, request, self._text_machine)
+            self._live[request.request_id] = _Live(request, text)
+        return StepOutcome(skipped=True)
+
     def rebuild(self, active: Collection[str] | None = None) -> None:
         """Replace the batch generator and replay live requests into it.
 
@@ -128,6 +144,7 @@ class Runner:
         other live requests stay parked, keeping their state, until a later rebuild.
         """
         self._close_batch()
+        self._broken = False
         # A sampler that raised inside mlx-lm's compiled sampling can leave MLX's global
         # random state unusable; unseeded sampling restarts from fresh entropy.
         mx.random.seed(secrets.randbits(63))
