@@ -99,7 +99,7 @@ def test_streamed_tool_calls_validate_as_openai_chunks(agentic_tokenizer):
     for delta in scripted_deltas(agentic_tokenizer):
         chunk = shape.delta_chunk(choice, delta, shape.absorb(choice, delta))
         if chunk is not None:
-            chunks.append(ChatCompletionChunk.model_validate(chunk))
+            chunks.append(ChatCompletionChunk.model_validate_json(chunk))
     calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
     assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
     reasoning = "".join(ch.choices[0].delta.model_extra.get("reasoning_content", "")

@@ -73,6 +73,7 @@ class ReplyShape:
     tools: list[dict] | None = None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
+    _text_frames: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     # -- shared pieces -----------------------------------------------------------------
 
@@ -138,8 +139,25 @@ class ReplyShape:
         return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}])
 
-    def delta_chunk(self, choice: Choice, delta: Delta, calls: list[dict]) -> dict | None:
-        """The chunk for one delta (None when it carries nothing to send)."""
+    def text_chunk(self, index: int, text: str) -> str:
+        """The JSON of a chunk that only carries text: the common case, built from a
+        cached frame so that only the text itself is encoded per token."""
+        frame = self._text_frames.get(index)
+        if frame is None:
+            marker = "\u0000MARK\u0000"
+            key = "delta" if self.chat else "text"
+            item: dict[str, Any] = {"index": index,
+                                    key: {"content": marker} if self.chat else marker,
+                                    "logprobs": None, "finish_reason": None}
+            frame = self._text_frames[index] = tuple(
+                json.dumps(self._envelope([item])).split(json.dumps(marker)))
+        return json.dumps(text).join(frame)
+
+    def delta_chunk(self, choice: Choice, delta: Delta, calls: list[dict]) -> str | None:
+        """The JSON of the chunk for one delta (None when it carries nothing to send)."""
+        if (delta.text and choice.finish is None and not calls and not delta.reasoning
+                and not delta.logprobs):
+            return self.text_chunk(choice.index, delta.text)
         logprobs = self._logprobs_object(list(delta.logprobs),
                                          choice.offsets[len(choice.offsets)
                                                         - len(delta.logprobs):])
@@ -162,7 +180,7 @@ class ReplyShape:
                 return None
             item = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
                     "finish_reason": finish}
-        return self._envelope([item])
+        return json.dumps(self._envelope([item]))
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         return {"id": self.id, "object": self._object(chunk=True), "created": self.created,

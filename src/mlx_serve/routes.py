@@ -8,7 +8,6 @@ import uuid
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -24,7 +23,7 @@ from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
 from mlx_serve.replies import ReplyShape
 from mlx_serve.request_building import Prepared, build_chat_request, build_completion_request
 from mlx_serve.server_state import ServerState
-from mlx_serve.streaming import collect, fail_fast, sse_events
+from mlx_serve.streaming import SSEResponse, collect, fail_fast, sse_events
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -115,8 +114,8 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
     choices = len(prepared.requests)
     if body.stream:
         await fail_fast(handle, request, state.settings.sse_ping_seconds)
-        events = sse_events(handle, shape, choices, state.failpoints, body.user)
-        return EventSourceResponse(events, ping=state.settings.sse_ping_seconds)
+        return SSEResponse(sse_events(handle, shape, choices, state.failpoints, body.user,
+                                      state.settings.sse_ping_seconds))
     return JSONResponse(await collect(handle, shape, choices, request))
 
 

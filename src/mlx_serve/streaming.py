@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from mlx_serve.engine import RequestHandle
 from mlx_serve.errors import MLXServeError
@@ -15,42 +16,68 @@ from mlx_serve.generation import Failure
 from mlx_serve.replies import Choice, ReplyShape
 
 
+class SSEResponse(StreamingResponse):
+    """Server-sent events from an iterator of ready ``data:`` frames.
+
+    sse-starlette spends most of a streamed token's event-loop time on its own per-send
+    machinery; our frames are complete bytes already, so they are written as they come.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, frames: AsyncIterator[bytes]) -> None:
+        super().__init__(frames, headers={"Cache-Control": "no-store",
+                                          "X-Accel-Buffering": "no"})
+
+
+def _frame(payload: str) -> bytes:
+    return f"data: {payload}\n\n".encode()
+
+
 async def sse_events(
     handle: RequestHandle, shape: ReplyShape, choices: int, failpoints: FailPoints,
-    user: str | None,
-) -> AsyncIterator[str]:
-    """The SSE ``data:`` payloads of one streamed reply, ending with ``[DONE]``.
+    user: str | None, ping_seconds: float,
+) -> AsyncIterator[bytes]:
+    """The SSE frames of one streamed reply, ending with ``data: [DONE]``.
 
-    An error after the stream has started becomes an ``error`` object, then ``[DONE]``.
-    Leaving early (client gone: sse-starlette cancels us) closes the handle, which tells
-    the actor to drop the request's sequences.
+    Until the first output, a comment every ``ping_seconds`` keeps idle-timeout proxies
+    from cutting the connection. An error after the stream has started becomes an
+    ``error`` object, then ``[DONE]``. Leaving early (the client is gone) closes the
+    handle, which tells the actor to drop the request's sequences.
     """
     users = (user,) if user is not None else ()
     state = [Choice(i) for i in range(choices)]
     async with handle:
         try:
+            while True:
+                with anyio.move_on_after(ping_seconds):
+                    await handle.peek()
+                    break
+                yield b": ping\n\n"
             if shape.chat:
                 await failpoints.acheck("sse.send", users)
                 for i in range(choices):
-                    yield json.dumps(shape.role_chunk(i))
+                    yield _frame(json.dumps(shape.role_chunk(i)))
             async for event in handle:
                 if isinstance(event, Failure):
-                    yield json.dumps(event.error.to_dict())
+                    yield _frame(json.dumps(event.error.to_dict()))
                     break
                 choice = state[event.index]
                 calls = shape.absorb(choice, event)
                 chunk = shape.delta_chunk(choice, event, calls)
                 if chunk is not None:
-                    await failpoints.acheck("sse.send", users)
-                    yield json.dumps(chunk)
+                    if failpoints:
+                        await failpoints.acheck("sse.send", users)
+                    yield _frame(chunk)
             else:
                 if shape.include_usage:
-                    yield json.dumps(shape.usage_chunk(state))
+                    yield _frame(json.dumps(shape.usage_chunk(state)))
         except MLXServeError as exc:
-            yield json.dumps(exc.to_dict())
+            yield _frame(json.dumps(exc.to_dict()))
         except Exception as exc:  # a fault in our own send path still ends the stream cleanly
-            yield json.dumps(MLXServeError(f"streaming failed: {type(exc).__name__}").to_dict())
-        yield "[DONE]"
+            error = MLXServeError(f"streaming failed: {type(exc).__name__}")
+            yield _frame(json.dumps(error.to_dict()))
+        yield b"data: [DONE]\n\n"
 
 
 async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, request: Request
