@@ -139,6 +139,7 @@ class ABRunner:
         prompts_file = self.workdir / "prompts.json"
         out = self.workdir / "engine.json"
         prompts_file.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
+        out.unlink(missing_ok=True)  # never report an earlier run's result as this one's
         b = self.config.batch
         cmd = [sys.executable, "-m", "benchmarks.engine_limit", "--model", self.model_path,
                "--concurrency", str(workload.concurrency),
@@ -154,6 +155,8 @@ class ABRunner:
             subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
                            timeout=workload.time_limit + 120, cwd=Path(__file__).parent.parent,
                            env=blas_env(self.openblas))
+        if not out.exists():
+            raise RuntimeError(f"the engine harness wrote no result; see {self.workdir}/engine.log")
         return json.loads(out.read_text())
 
     def warm_servers(self) -> None:
