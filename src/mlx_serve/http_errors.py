@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -13,7 +14,7 @@ from mlx_serve.errors import MLXServeError
 log = logging.getLogger(__name__)
 
 
-def error_response(exc: MLXServeError, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(exc: MLXServeError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     headers = dict(headers or {})
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)

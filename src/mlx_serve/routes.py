@@ -81,23 +81,23 @@ def _check_model(state: ServerState, name: str | None) -> str:
 
 
 async def chat_completions(request: Request) -> Response:
-    state = _state(request)
-    body = parse(ChatCompletionRequest, await read_json(request, state.settings.max_body_bytes))
-    model = _check_model(state, body.model)
-    engine = _ready_engine(state)
-    request_id = _request_id("chatcmpl")
-    prepared = await build_chat_request(body, engine.runner, state.settings, request_id)
-    return await _reply(request, state, body, prepared, request_id, chat=True, model=model)
+    return await _generate(request, ChatCompletionRequest, build_chat_request, chat=True)
 
 
 async def completions(request: Request) -> Response:
+    return await _generate(request, CompletionRequest, build_completion_request, chat=False)
+
+
+async def _generate(request: Request, model_type: type[Any], build: Any, *, chat: bool
+                    ) -> Response:
+    """Read, validate and build the engine requests; then reply (streamed or whole)."""
     state = _state(request)
-    body = parse(CompletionRequest, await read_json(request, state.settings.max_body_bytes))
+    body = parse(model_type, await read_json(request, state.settings.max_body_bytes))
     model = _check_model(state, body.model)
     engine = _ready_engine(state)
-    request_id = _request_id("cmpl")
-    prepared = await build_completion_request(body, engine.runner, state.settings, request_id)
-    return await _reply(request, state, body, prepared, request_id, chat=False, model=model)
+    request_id = _request_id("chatcmpl" if chat else "cmpl")
+    prepared = await build(body, engine.runner, state.settings, request_id)
+    return await _reply(request, state, body, prepared, request_id, chat=chat, model=model)
 
 
 async def _reply(request: Request, state: ServerState, body: Any, prepared: Prepared,
