@@ -147,8 +147,49 @@ def test_tools_and_tool_results_go_through_the_template(agentic_server):
     assert none["usage"]["prompt_tokens"] == without  # tools left out of the prompt
 
 
+# Bounded strings: a random model would otherwise write one until max_tokens.
+BOUNDED_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False}}}]
+
+
+def forced_call(server, tool_choice, tools=BOUNDED_TOOLS) -> dict:
+    reply = chat(server, tools=tools, tool_choice=tool_choice, max_tokens=80,
+                 temperature=1.0, seed=3)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def test_a_named_tool_choice_forces_a_valid_call_of_that_function(agentic_server):
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}}
+    choice = forced_call(agentic_server, tool_choice)
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    arguments = json.loads(call["function"]["arguments"])
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+
+
+def test_required_tool_choice_calls_one_of_the_tools(agentic_server):
+    tools = BOUNDED_TOOLS + [{"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {
+            "zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+            "additionalProperties": False}}}]
+    for seed in (1, 2, 3):
+        reply = chat(agentic_server, tools=tools, tool_choice="required", max_tokens=80,
+                     temperature=1.0, seed=seed)
+        choice = reply.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] in {"get_weather", "get_time"}
+        json.loads(call["function"]["arguments"])
+
+
 @pytest.mark.parametrize(("body", "param"), [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
 ])

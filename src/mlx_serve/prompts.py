@@ -16,6 +16,9 @@ class Rendered:
     tools: list[dict] | None  # the tools offered to the model (for parsing its calls)
     split_reasoning: bool  # the model has thinking or tool-call markers to route apart
     initial_state: str  # "reasoning" when the template left a thinking span open
+    # tool_choice "required" or a named function: the JSON schema the call must follow
+    # (the prompt then ends inside an opened tool call)
+    forced_call: dict | None = None
 
 
 def _arguments(text: str) -> Any:
@@ -49,15 +52,42 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
 def offered_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict] | None:
     if not body.tools or body.tool_choice == "none":
         return None
-    if body.tool_choice == "required" or (body.tool_choice is not None
-                                          and not isinstance(body.tool_choice, str)):
-        raise UnsupportedParameterError(
-            "'tool_choice' may be 'auto' or 'none' here; forcing a call is not supported yet",
-            param="tool_choice")
     if not getattr(tokenizer, "has_tool_calling", False):
         raise UnsupportedParameterError(
             "this model's chat template does not support tool calling", param="tools")
     return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def forced_call_schema(body: ChatCompletionRequest, tokenizer: Any) -> dict | None:
+    """For tool_choice "required" or a named function: the schema of the one call.
+
+    A forced call is written in the JSON tool-call format ({"name", "arguments"} between
+    the model's markers); other formats would need a grammar of their own.
+    """
+    choice = body.tool_choice
+    if choice in (None, "auto", "none") or not body.tools:
+        if choice not in (None, "auto", "none"):
+            raise RequestError("'tool_choice' forces a call but no 'tools' were given",
+                               param="tool_choice")
+        return None
+    parser = getattr(tokenizer, "tool_parser", None)
+    if not getattr(parser, "__module__", "").endswith("json_tools"):
+        raise UnsupportedParameterError(
+            "forcing a tool call is supported for models with JSON tool calls only",
+            param="tool_choice")
+    tools = [t.function for t in body.tools]
+    if not isinstance(choice, str):
+        wanted = choice.function.get("name")
+        tools = [f for f in tools if f.name == wanted]
+        if not tools:
+            raise RequestError(f"'tool_choice' names '{wanted}', which is not in 'tools'",
+                               param="tool_choice")
+    calls = [{"type": "object", "additionalProperties": False,
+              "required": ["name", "arguments"],
+              "properties": {"name": {"const": f.name},
+                             "arguments": f.parameters or {"type": "object"}}}
+             for f in tools]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -87,4 +117,9 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> Rendered:
     if thinking and tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens):
         initial = "reasoning"
     initial = getattr(tokenizer, "response_initial_state", None) or initial
-    return Rendered(tokens, tools, thinking or tools is not None, initial)
+    forced = forced_call_schema(body, tokenizer)
+    if forced is not None:  # open the call in the prompt; the schema does the rest
+        opening = (tokenizer.think_end + "\n" if initial == "reasoning" else "")
+        tokens += tokenizer.encode(opening + tokenizer.tool_call_start, add_special_tokens=False)
+        initial = "tool"
+    return Rendered(tokens, tools, thinking or tools is not None, initial, forced)

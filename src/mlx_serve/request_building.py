@@ -132,9 +132,18 @@ async def build_chat_request(
     check_extra_fields(body, settings)
     if body.top_logprobs and not body.logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    response_format = await compile_format(body, runner)
     # Rendering a long prompt is CPU work: keep it off the event loop.
     rendered = await anyio.to_thread.run_sync(render_chat, runner.tokenizer, body)
+    if rendered.forced_call is not None:
+        if body.response_format is not None and body.response_format.type != "text":
+            raise RequestError("a forced tool call and 'response_format' cannot be combined",
+                               param="response_format")
+        response_format = await anyio.to_thread.run_sync(
+            runner.compile_response_format,
+            {"type": "json_schema", "json_schema": {"name": "tool_call",
+                                                    "schema": rendered.forced_call}})
+    else:
+        response_format = await compile_format(body, runner)
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
                              len(rendered.tokens), runner, settings)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
