@@ -1,0 +1,89 @@
+"""One configuration, three ways to start: env (uvicorn), CLI flags, python -m."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from mlx_serve.cli import settings_from_args
+from mlx_serve.config import Settings
+from tests.server_process import free_port
+
+
+def test_settings_come_from_mlx_serve_environment_variables(monkeypatch):
+    monkeypatch.setenv("MLX_SERVE_MODEL", "/models/x")
+    monkeypatch.setenv("MLX_SERVE_DECODE_BATCH_SIZE", "7")
+    monkeypatch.setenv("MLX_SERVE_EXIT_ON_FATAL", "true")
+    settings = Settings()
+    assert (settings.model, settings.decode_batch_size, settings.exit_on_fatal) == (
+        "/models/x", 7, True)
+    assert (settings.host, settings.port) == ("127.0.0.1", 8000)
+
+
+def test_flags_override_and_mirror_the_settings(monkeypatch):
+    monkeypatch.setenv("MLX_SERVE_PORT", "9001")
+    settings = settings_from_args(["--model", "m", "--port", "9002", "--exit-on-fatal",
+                                   "--no-openblas", "--step-timeout", "2.5"])
+    assert (settings.model, settings.port, settings.exit_on_fatal, settings.openblas,
+            settings.step_timeout) == ("m", 9002, True, False, 2.5)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
+def test_debug_endpoints_are_allowed_on_loopback(host):
+    assert Settings(host=host, failpoints_http=True).failpoints_http
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "example.org"])
+def test_debug_endpoints_are_refused_off_loopback(host):
+    with pytest.raises(ValidationError, match="loopback"):
+        Settings(host=host, failpoints_http=True)
+
+
+def test_the_cli_refuses_bad_settings_with_a_clear_message():
+    done = subprocess.run([sys.executable, "-m", "mlx_serve", "--host", "0.0.0.0",
+                           "--failpoints-http"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "loopback" in done.stderr
+
+
+def test_mlx_serve_entry_point_is_installed():
+    script = Path(sys.executable).parent / "mlx-serve"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--decode-batch-size" in done.stdout
+
+
+def test_plain_uvicorn_serves_with_settings_from_the_environment(tiny_model_dir, tmp_path):
+    port = free_port()
+    env = {**os.environ, "MLX_SERVE_MODEL": str(tiny_model_dir),
+           "MLX_SERVE_SERVED_MODEL_NAME": "from-env"}
+    with open(tmp_path / "uvicorn.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "mlx_serve.app:app",
+                                 "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, (tmp_path / "uvicorn.log").read_text()
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+            models = client.get("/v1/models").json()["data"]
+            reply = client.post("/v1/completions", json={
+                "prompt": "hi", "max_tokens": 3, "temperature": 0,
+                "logit_bias": {"0": -100, "2": -100}})  # no end-of-sequence: exactly 3
+        assert [m["id"] for m in models] == ["from-env"]
+        assert reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(30)
