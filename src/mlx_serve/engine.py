@@ -2,7 +2,7 @@
 
     routes ── submit() ──► inbox (bounded memory channel) ──► Engine.run()
                                                               admit → step → deliver
-    reply stream (one per request) ◄── send_nowait ───────────┘
+    reply channel (one per request) ◄── put ──────────────────┘
 
 Only ``run`` mutates engine state. ``submit`` and ``statistics`` are synchronous and
 never wait on the actor, so a full batch or a stuck step can never stall the event loop
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection
@@ -22,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from mlx_serve.engine_state import ALIVE_STATES, EngineConfig, EngineState, EngineStatistics
 from mlx_serve.errors import (
@@ -37,6 +35,7 @@ from mlx_serve.errors import (
 from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent, StepOutcome
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.recovery import Decision, Isolation
+from mlx_serve.reply_channel import ReplyChannel
 
 log = logging.getLogger(__name__)
 
@@ -67,31 +66,16 @@ class _EngineFailed(Exception):
 class RequestHandle:
     """The route's end of one request: iterate its events; close it when the client goes."""
 
-    def __init__(self, request_id: str, events: MemoryObjectReceiveStream[ReplyEvent]) -> None:
+    def __init__(self, request_id: str, events: ReplyChannel[ReplyEvent]) -> None:
         self.request_id = request_id
         self._events = events
-        self._first: ReplyEvent | None = None
 
     async def peek(self) -> ReplyEvent | None:
         """Wait for the first event without consuming it (None: the stream ended)."""
-        if self._first is None:
-            try:
-                self._first = await self._events.receive()
-            except anyio.EndOfStream:
-                return None
-        return self._first
+        return await self._events.peek()
 
     def __aiter__(self) -> AsyncIterator[ReplyEvent]:
-        if self._first is None:
-            return self._events.__aiter__()
-        return self._replay_first()
-
-    async def _replay_first(self) -> AsyncIterator[ReplyEvent]:
-        first, self._first = self._first, None
-        assert first is not None
-        yield first
-        async for event in self._events:
-            yield event
+        return self._events
 
     async def __aenter__(self) -> RequestHandle:
         return self
@@ -107,13 +91,13 @@ class RequestHandle:
 class _Open:
     __slots__ = ("request", "reply")
 
-    def __init__(self, request: GenerationRequest, reply: MemoryObjectSendStream[ReplyEvent]):
+    def __init__(self, request: GenerationRequest, reply: ReplyChannel[ReplyEvent]):
         self.request = request
         self.reply = reply
 
     @property
     def client_gone(self) -> bool:
-        return self.reply.statistics().open_receive_streams == 0
+        return self.reply.consumer_gone
 
 
 class Engine:
@@ -151,18 +135,17 @@ class Engine:
         """
         if self._state not in (EngineState.READY, EngineState.RECOVERING):
             raise self.unavailable_error()
-        reply, events = anyio.create_memory_object_stream[ReplyEvent](math.inf)
-        handle = RequestHandle(requests[0].request_id, events)
-        with reply:  # each queued request holds its own clone of the sending side
-            try:
-                for request in requests:
-                    self._inbox_send.send_nowait(_Open(request, reply.clone()))
-            except anyio.WouldBlock:
-                handle.close()  # any already queued sibling is dropped as "client gone"
-                raise OverloadedError("the server is at capacity; retry shortly") from None
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                handle.close()
-                raise EngineDeadError("the generation engine has stopped") from None
+        reply = ReplyChannel[ReplyEvent](producers=len(requests))
+        handle = RequestHandle(requests[0].request_id, reply)
+        try:
+            for request in requests:
+                self._inbox_send.send_nowait(_Open(request, reply))
+        except anyio.WouldBlock:
+            handle.close()  # any already queued sibling is dropped as "client gone"
+            raise OverloadedError("the server is at capacity; retry shortly") from None
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            handle.close()
+            raise EngineDeadError("the generation engine has stopped") from None
         return handle
 
     def statistics(self) -> EngineStatistics:
@@ -255,7 +238,7 @@ class Engine:
 
     def _open_request(self, entry: _Open) -> None:
         if entry.client_gone:
-            entry.reply.close()
+            entry.reply.close_producer()
         elif self._draining:
             _answer(entry, Failure(EngineUnavailableError("the server is draining")))
         else:
@@ -274,7 +257,7 @@ class Engine:
     def _take_cancellations(self) -> list[str]:
         gone = [rid for rid, o in self._open.items() if o.client_gone]
         for rid in gone:
-            self._open.pop(rid).reply.close()
+            self._open.pop(rid).reply.close_producer()
             self._admitted.discard(rid)
         if gone:
             self._isolation.forget(gone)
@@ -388,10 +371,7 @@ class Engine:
                 continue
             entry = self._open.get(rid)
             if entry is not None:
-                try:
-                    entry.reply.send_nowait(delta)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    pass  # client gone: cancelled at the next step
+                entry.reply.put(delta)  # a departed client's is dropped; cancelled next step
 
     def _finish(self, rid: str, event: ReplyEvent) -> None:
         entry = self._open.pop(rid, None)
@@ -423,11 +403,8 @@ def _answer(entry: _Open, event: ReplyEvent) -> None:
     """Send a terminal event and close the reply stream; a departed client is fine."""
     if isinstance(event, Failure) and event.index != entry.request.index:
         event = Failure(event.error, entry.request.index)
-    try:
-        entry.reply.send_nowait(event)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-        pass
-    entry.reply.close()
+    entry.reply.put(event)
+    entry.reply.close_producer()
 
 
 def _as_request_error(exc: Exception) -> MLXServeError:

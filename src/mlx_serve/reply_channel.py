@@ -1,0 +1,81 @@
+"""One request's reply events: the actor puts without ever waiting, the route awaits.
+
+A memory object stream would do, but it costs an extra trip through the event loop
+for every token of every stream (``receive`` always checkpoints first); at 128
+streams that is the event loop's time that the batch step needs.
+
+Several producers may share a channel (the choices of one HTTP request): it ends for
+the consumer once every producer has closed its side. The consumer closing the channel
+is how the actor learns that the client is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class ReplyChannel(Generic[T]):
+    __slots__ = ("_items", "_waiter", "_producers", "_consumer_gone")
+
+    def __init__(self, producers: int = 1) -> None:
+        self._items: deque[T] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._producers = producers
+        self._consumer_gone = False
+
+    # -- producers (the actor) -------------------------------------------------------
+
+    @property
+    def consumer_gone(self) -> bool:
+        return self._consumer_gone
+
+    def put(self, item: T) -> None:
+        """Queue an item; dropped silently once the consumer has gone."""
+        if not self._consumer_gone:
+            self._items.append(item)
+            self._wake()
+
+    def close_producer(self) -> None:
+        self._producers -= 1
+        if self._producers <= 0:
+            self._wake()
+
+    # -- the consumer (the route) ----------------------------------------------------
+
+    async def peek(self) -> T | None:
+        """The next item without taking it; None when the channel has ended."""
+        while not self._items:
+            if self._producers <= 0 or self._consumer_gone:
+                return None
+            await self._wait()
+        return self._items[0]
+
+    def __aiter__(self) -> ReplyChannel[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        while not self._items:
+            if self._producers <= 0 or self._consumer_gone:
+                raise StopAsyncIteration
+            await self._wait()
+        return self._items.popleft()
+
+    def close(self) -> None:
+        self._consumer_gone = True
+        self._items.clear()
+        self._wake()
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
