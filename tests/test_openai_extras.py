@@ -1,0 +1,92 @@
+"""logprobs, n, several prompts and stop token ids through the official openai SDK."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+NO_EOS = {"0": -100, "2": -100}  # the tiny model's end-of-sequence ids: exact lengths
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir, tmp_path_factory):
+    from tests.server_process import ServerProcess
+
+    log = tmp_path_factory.mktemp("extras") / "server.log"
+    with ServerProcess(tiny_model_dir, log) as server:
+        yield OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, **kw):
+    kw.setdefault("messages", [{"role": "user", "content": "Tell me a story."}])
+    kw.setdefault("max_tokens", 6)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model="tiny", **kw)
+
+
+def test_chat_logprobs_report_the_sampled_token_and_sorted_alternatives(client):
+    reply = chat(client, logprobs=True, top_logprobs=3, logit_bias=NO_EOS)
+    choice = reply.choices[0]
+    items = choice.logprobs.content
+    assert len(items) == 6
+    raw = b"".join(bytes(t.bytes) for t in items).decode("utf-8", "replace")
+    assert raw.lstrip(" ") == choice.message.content  # a chat reply drops a leading space
+    for t in items:
+        values = [a.logprob for a in t.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert t.logprob == pytest.approx(values[0])  # greedy: the best one was sampled
+
+
+def test_streamed_chat_logprobs_cover_every_token(client):
+    stream = chat(client, logprobs=True, top_logprobs=0, stream=True, logit_bias=NO_EOS)
+    items = [t for chunk in stream for c in chunk.choices if c.logprobs
+             for t in c.logprobs.content]
+    assert len(items) == 6 and all(t.top_logprobs == [] for t in items)
+
+
+def test_completion_logprobs_have_the_legacy_shape(client):
+    reply = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5,
+                                      temperature=0, logprobs=2, logit_bias=NO_EOS)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == reply.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
+def test_n_choices_are_indexed_and_seeded_one_by_one(client):
+    reply = chat(client, n=3, temperature=1.0, seed=11, logit_bias=NO_EOS)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.message.content for c in reply.choices}) > 1
+    assert reply.usage.completion_tokens == 18
+    again = chat(client, n=3, temperature=1.0, seed=11, logit_bias=NO_EOS)
+    assert [c.message.content for c in again.choices] == [
+        c.message.content for c in reply.choices]
+    streamed: dict[int, str] = {}
+    for chunk in chat(client, n=3, temperature=1.0, seed=11, logit_bias=NO_EOS, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in reply.choices]
+
+
+def test_several_prompts_make_one_choice_each_in_order(client):
+    prompts = ["The cat", "A dog", "Servers"]
+    reply = client.completions.create(model="tiny", prompt=prompts, max_tokens=4, n=2,
+                                      temperature=0, logit_bias=NO_EOS)
+    assert [c.index for c in reply.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=4,
+                                          temperature=0, logit_bias=NO_EOS)
+        assert reply.choices[2 * i].text == reply.choices[2 * i + 1].text == alone.choices[0].text
+
+
+def test_stop_token_ids_end_generation_like_an_end_of_sequence(client):
+    forced = {**NO_EOS, "100": 100}  # token 100 every time
+    plain = client.completions.create(model="tiny", prompt="Once", max_tokens=4,
+                                      temperature=0, logit_bias=forced)
+    cut = client.completions.create(model="tiny", prompt="Once", max_tokens=4,
+                                    temperature=0, logit_bias=forced,
+                                    extra_body={"stop_token_ids": [100]})
+    assert plain.choices[0].finish_reason == "length" and plain.choices[0].text
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == "" and cut.usage.completion_tokens == 1
