@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.metrics import RequestRecord, format_table, summarize
+from benchmarks.metrics import RequestRecord, report_run, summarize
 from benchmarks.workload import Workload, build_prompts
 
 
@@ -218,11 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.prefill_step_size)
     prompts, warmup = _prompts(args)
     result = run_engine_limit(args.model, workload, batch, prompts, warmup, args.detokenize)
-    print(format_table(result["summary"], f"engine {args.model} {workload.as_dict()}"))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-    return 0 if result["summary"]["failed"] == 0 else 1
+    return report_run(result, f"engine {args.model} {workload.as_dict()}", args.json)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.metrics import RequestRecord, format_table, percentiles, summarize
+from benchmarks.metrics import RequestRecord, percentiles, report_run, summarize
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 
@@ -280,11 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.prompt_tokens, args.seed)
     warmup, measured = prompts[:args.warmup], prompts[args.warmup:]
     result = asyncio.run(run_load(target, workload, measured, tuple(warmup)))
-    print(format_table(result["summary"], f"{target.base_url} {workload.as_dict()}"))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-    return 0 if result["summary"]["failed"] == 0 else 1
+    return report_run(result, f"{target.base_url} {workload.as_dict()}", args.json)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ send to the last completion. Percentiles use numpy's default (linear interpolati
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,3 +112,12 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
     for error, count in summary["errors"].items():
         lines.append(f"  error x{count}: {error}")
     return "\n".join(lines)
+
+
+def report_run(result: dict, title: str, json_path: str | None) -> int:
+    """Print a run's table, save its JSON if asked; exit status 1 if any request failed."""
+    print(format_table(result["summary"], title))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0 if result["summary"]["failed"] == 0 else 1
