@@ -57,3 +57,12 @@ async def test_a_closed_consumer_is_seen_by_producers_and_drops_their_items():
     assert await channel.peek() is None
     with anyio.fail_after(1):
         assert [item async for item in channel] == []
+
+
+async def test_take_ready_returns_everything_queued_without_waiting():
+    channel = ReplyChannel[int]()
+    assert channel.take_ready() == []
+    for i in range(3):
+        channel.put(i)
+    assert channel.take_ready() == [0, 1, 2]
+    assert channel.take_ready() == []

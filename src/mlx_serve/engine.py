@@ -77,6 +77,10 @@ class RequestHandle:
     def __aiter__(self) -> AsyncIterator[ReplyEvent]:
         return self._events
 
+    def take_ready(self) -> list[ReplyEvent]:
+        """The events already queued, without waiting (to write them out together)."""
+        return self._events.take_ready()
+
     async def __aenter__(self) -> RequestHandle:
         return self
 

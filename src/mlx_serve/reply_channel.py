@@ -64,6 +64,12 @@ class ReplyChannel(Generic[T]):
             await self._wait()
         return self._items.popleft()
 
+    def take_ready(self) -> list[T]:
+        """Every item already queued, without waiting."""
+        items = list(self._items)
+        self._items.clear()
+        return items
+
     def close(self) -> None:
         self._consumer_gone = True
         self._items.clear()

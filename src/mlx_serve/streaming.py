@@ -58,20 +58,28 @@ async def sse_events(
                 await failpoints.acheck("sse.send", users)
                 for i in range(choices):
                     yield _frame(json.dumps(shape.role_chunk(i)))
+            failed = False
             async for event in handle:
-                if isinstance(event, Failure):
-                    yield _frame(json.dumps(event.error.to_dict()))
-                    break
-                choice = state[event.index]
-                calls = shape.absorb(choice, event)
-                chunk = shape.delta_chunk(choice, event, calls)
-                if chunk is not None:
+                # Everything that queued up meanwhile goes out in one write: when the
+                # event loop falls behind, each write carries several tokens.
+                frames = []
+                for ready in (event, *handle.take_ready()):
+                    if isinstance(ready, Failure):
+                        frames.append(_frame(json.dumps(ready.error.to_dict())))
+                        failed = True
+                        break
+                    choice = state[ready.index]
+                    chunk = shape.delta_chunk(choice, ready, shape.absorb(choice, ready))
+                    if chunk is not None:
+                        frames.append(_frame(chunk))
+                if frames:
                     if failpoints:
                         await failpoints.acheck("sse.send", users)
-                    yield _frame(chunk)
-            else:
-                if shape.include_usage:
-                    yield _frame(json.dumps(shape.usage_chunk(state)))
+                    yield b"".join(frames)
+                if failed:
+                    break
+            if not failed and shape.include_usage:
+                yield _frame(json.dumps(shape.usage_chunk(state)))
         except MLXServeError as exc:
             yield _frame(json.dumps(exc.to_dict()))
         except Exception as exc:  # a fault in our own send path still ends the stream cleanly
