@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
@@ -67,4 +68,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, app, settings.drain_timeout)
     server.run()
-    return server.exit_code
+    _exit_now(server.exit_code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Leave without interpreter teardown once uvicorn has shut down cleanly.
+
+    Every reply has been written by then. A step left running on the MLX thread (a
+    drain timeout does not wait for it) must not meet MLX's native threads being torn
+    down at exit, which aborts the process ("terminate called ...") and turns a clean
+    drain into status -6.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
