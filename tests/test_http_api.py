@@ -387,7 +387,8 @@ async def test_sixteen_concurrent_streams_finish_with_exact_counts(server, clien
 async def test_health_and_live_answer_fast_under_sixteen_streams(server):
     async def stream(aclient: openai.AsyncOpenAI, prompt: str) -> int:
         chunks = await aclient.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=100,
+            # Long enough that the probes below finish while every stream still runs.
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1000,
             temperature=0, stream=True, logit_bias=NO_EOS,
             stream_options={"include_usage": True})
         usage = None
@@ -419,7 +420,7 @@ async def test_health_and_live_answer_fast_under_sixteen_streams(server):
                 t.cancel()
     assert under_load["running"] > 0, "measured after the load was gone"
     assert max(latencies) < 1.0, latencies
-    assert counts == [100] * 16
+    assert counts == [1000] * 16
 
 
 @pytest.mark.anyio
