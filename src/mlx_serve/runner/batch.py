@@ -133,8 +133,7 @@ class Runner:
             if live is not None and live.uid is not None:
                 self._by_uid.pop(live.uid, None)
         for request in admissions:
-            text = TextPipeline(self.tokenizer.detokenizer, request, self._text_machine)
-            self._live[request.request_id] = _Live(request, text)
+            self._live[request.request_id] = self._new_live(request)
         return StepOutcome(skipped=True)
 
     def rebuild(self, active: Collection[str] | None = None) -> None:
@@ -202,11 +201,14 @@ class Runner:
         except Exception:  # a broken generator must not stop us from replacing it
             log.exception("closing the old batch generator failed")
 
+    def _new_live(self, request: GenerationRequest) -> _Live:
+        text = TextPipeline(self.tokenizer.detokenizer, request, self._text_machine)
+        return _Live(request, text)
+
     def _admit(self, request: GenerationRequest) -> tuple[str, Exception] | None:
         try:
             self._failpoints.check("engine.admit", _user_set(request.user))
-            text = TextPipeline(self.tokenizer.detokenizer, request, self._text_machine)
-            live = _Live(request, text)
+            live = self._new_live(request)
             waiting = self._waiting_for_prefill.get(request.prompt_tokens)
             if waiting is not None:
                 waiting.append(live)  # a sibling choice is prefilling this very prompt
