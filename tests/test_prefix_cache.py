@@ -85,3 +85,45 @@ async def test_replay_after_a_fault_is_exact_with_the_cache_on(tiny_model_dir):
         faulty = [await drain(h) for h in handles]
         assert engine.statistics().recoveries >= 1
     assert [r.text for r in faulty] == [r.text for r in clean]
+
+
+def test_the_trie_search_agrees_with_mlx_lm_and_finds_a_sibling_branch():
+    import random
+
+    from mlx_lm.models.cache import PromptTrie
+
+    from mlx_serve.runner.prefix_cache import _LinearPromptTrie
+
+    rng = random.Random(0)
+    system = [rng.randrange(1000) for _ in range(30)]
+    stored = [system + [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
+              for _ in range(50)]
+    ours, theirs = _LinearPromptTrie(), PromptTrie()
+    for i, tokens in enumerate(stored):
+        ours.add("m", tokens, i)
+        theirs.add("m", tokens, i)
+    queries = (stored[:5] + [s[:20] for s in stored[:5]] + [s + [7, 8] for s in stored[:5]]
+               + [system + [rng.randrange(1000) for _ in range(20)] for _ in range(5)]
+               + [[], [1001, 1002]])
+    for query in queries:
+        a, b = ours.search("m", query), theirs.search("m", query)
+        assert (a.exact, a.shorter, a.common_prefix) == (b.exact, b.shorter, b.common_prefix)
+        assert (a.longer is None) == (b.longer is None)
+        if a.longer is not None:  # any stored sequence through the common prefix serves
+            assert a.longer in stored
+            assert a.longer[:a.common_prefix] == query[:a.common_prefix]
+
+
+async def test_a_new_conversation_reuses_the_shared_system_prompt(tiny_model_dir):
+    async with running_engine(tiny_model_dir, prefix_cache_bytes=64 << 20) as engine:
+        tokenizer = engine.runner.tokenizer
+        def prompt(question: str) -> list[int]:
+            return tokenizer.apply_chat_template(
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+                add_generation_prompt=True)
+        first, second = prompt("What is a cat?"), prompt("Where is the sea?")
+        common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+        await generate(engine, first, max_tokens=4)
+        again = await generate(engine, second, max_tokens=4)
+        assert 0 < again.cached_tokens <= common
+        assert again.cached_tokens >= common - 1
