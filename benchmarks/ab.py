@@ -15,7 +15,6 @@ Ctrl-C and SIGTERM included; every run is bounded in requests and time.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import environment
-from benchmarks.loadgen import Target, run_load
+from benchmarks.loadgen import Target, run_async, run_load
 from benchmarks.memory import rss_run
 from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
 from benchmarks.servers import (
@@ -131,7 +130,7 @@ class ABRunner:
         cfg = self.config
         target = Target(self.servers[name].base_url, cfg.api, cfg.stream, None,
                         cfg.request_timeout, cfg.health_probe)
-        return asyncio.run(run_load(target, workload, prompts, tuple(warmup)))
+        return run_async(run_load(target, workload, prompts, tuple(warmup)))
 
     def run_engine(self, workload: Workload, prompts: list[str],
                    warmup: list[str]) -> dict[str, Any]:
@@ -167,7 +166,7 @@ class ABRunner:
         prompts, _ = self.prompts(workload)
         for name, server in self.servers.items():
             target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout)
-            summary = asyncio.run(run_load(target, workload, prompts))["summary"]
+            summary = run_async(run_load(target, workload, prompts))["summary"]
             print(f"warm-up {name}: {summary['completed']} ok, {summary['failed']} failed",
                   flush=True)
 

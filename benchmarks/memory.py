@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.loadgen import Target, run_load
+from benchmarks.loadgen import Target, run_async, run_load
 from benchmarks.servers import ServerProcess, rss_bytes
 from benchmarks.workload import Workload
 
@@ -44,11 +44,11 @@ def rss_run(server: ServerProcess, runner: ABRunner, requests: int) -> dict[str,
     target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout)
     warm = Workload(cfg.prompt_tokens, cfg.output_tokens, max(conc, requests // 10), conc,
                     cfg.seed + 7, None, cfg.run_time_limit * 10)
-    asyncio.run(run_load(target, warm, runner.prompts(warm)[0]))
+    run_async(run_load(target, warm, runner.prompts(warm)[0]))
     before = rss_bytes(server.pid)
     workload = Workload(cfg.prompt_tokens, cfg.output_tokens, requests, conc, cfg.seed + 8,
                         None, cfg.run_time_limit * 10)
-    result, samples = asyncio.run(_measured(server, target, workload,
+    result, samples = run_async(_measured(server, target, workload,
                                             runner.prompts(workload)[0]))
     after = rss_bytes(server.pid)
     mib = 1024 * 1024

@@ -99,6 +99,8 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
         f"output tok/s {summary['output_throughput']:.1f}  "
         f"(mean {summary['mean_output_tokens']} tok/req)"
     )
+    if "client_cpu" in summary:
+        lines.append(f"load generator CPU {summary['client_cpu']:.2f} cores")
     lines.append(f"{'ms':<6}{'p50':>10}{'p90':>10}{'p99':>10}")
     for name in LATENCY_METRICS:
         row = summary[f"{name}_ms"]
