@@ -122,7 +122,8 @@ async def test_a_new_conversation_reuses_the_shared_system_prompt(tiny_model_dir
                 [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
                 add_generation_prompt=True)
         first, second = prompt("What is a cat?"), prompt("Where is the sea?")
-        common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+        common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False))
+                      if a != b)
         await generate(engine, first, max_tokens=4)
         again = await generate(engine, second, max_tokens=4)
         assert 0 < again.cached_tokens <= common
