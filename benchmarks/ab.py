@@ -95,6 +95,17 @@ def resolve_blas(choice: str) -> str | None:
     return library
 
 
+def rotated(targets: tuple[str, ...], rnd: int) -> tuple[str, ...]:
+    """The contenders' order in round ``rnd``: each takes every position in turn.
+
+    Position matters on the GPU machine: the server measured right after the engine
+    harness (a process that has just used, then released, the GPU) was the slower one
+    in every pair of one run, by up to 2x; a fixed order would bias every ratio.
+    """
+    k = rnd % len(targets)
+    return targets[k:] + targets[:k]
+
+
 class ABRunner:
     def __init__(self, config: ABConfig, model_path: str, workdir: Path,
                  servers: dict[str, ServerProcess], openblas: str | None) -> None:
@@ -115,7 +126,7 @@ class ABRunner:
             for conc in cfg.concurrencies:
                 workload = cfg.workload(conc, cfg.seed + 1000 * rnd + conc)
                 prompts, warmup = self.prompts(workload)
-                for name in cfg.targets:
+                for name in rotated(cfg.targets, rnd):
                     load_before = os.getloadavg()[0]
                     result = self.run_one(name, workload, prompts, warmup)
                     self.runs.append({"round": rnd, "concurrency": conc, "target": name,
