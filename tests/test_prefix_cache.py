@@ -87,31 +87,52 @@ async def test_replay_after_a_fault_is_exact_with_the_cache_on(tiny_model_dir):
     assert [r.text for r in faulty] == [r.text for r in clean]
 
 
-def test_the_trie_search_agrees_with_mlx_lm_and_finds_a_sibling_branch():
+@pytest.mark.parametrize("seed", range(4))
+def test_the_radix_trie_answers_as_mlx_lm_s_trie_does(seed):
+    """Random adds, pops, prefix pops and searches on both tries give the same answers
+    (``longer`` may be any stored sequence through the common prefix)."""
     import random
 
     from mlx_lm.models.cache import PromptTrie
 
-    from mlx_serve.runner.prefix_cache import _LinearPromptTrie
+    from mlx_serve.runner.prompt_trie import RadixPromptTrie
 
-    rng = random.Random(0)
-    system = [rng.randrange(1000) for _ in range(30)]
-    stored = [system + [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
-              for _ in range(50)]
-    ours, theirs = _LinearPromptTrie(), PromptTrie()
-    for i, tokens in enumerate(stored):
-        ours.add("m", tokens, i)
-        theirs.add("m", tokens, i)
-    queries = (stored[:5] + [s[:20] for s in stored[:5]] + [s + [7, 8] for s in stored[:5]]
-               + [system + [rng.randrange(1000) for _ in range(20)] for _ in range(5)]
-               + [[], [1001, 1002]])
-    for query in queries:
-        a, b = ours.search("m", query), theirs.search("m", query)
-        assert (a.exact, a.shorter, a.common_prefix) == (b.exact, b.shorter, b.common_prefix)
-        assert (a.longer is None) == (b.longer is None)
-        if a.longer is not None:  # any stored sequence through the common prefix serves
-            assert a.longer in stored
-            assert a.longer[:a.common_prefix] == query[:a.common_prefix]
+    rng = random.Random(seed)
+    system = [rng.randrange(50) for _ in range(12)]
+
+    def sequence() -> list[int]:
+        head = system[:rng.randrange(len(system) + 1)] if rng.random() < 0.8 else []
+        return head + [rng.randrange(50) for _ in range(rng.randrange(0 if head else 1, 15))]
+
+    ours, theirs = RadixPromptTrie(), PromptTrie()
+    stored: list[list[int]] = []
+    for step in range(400):
+        op = rng.random()
+        if op < 0.45 or not stored:
+            tokens = sequence()
+            assert ours.add("m", tokens, step) == theirs.add("m", tokens, step)
+            if tokens not in stored:
+                stored.append(tokens)
+        elif op < 0.6:
+            tokens = stored.pop(rng.randrange(len(stored)))
+            assert ours.pop("m", tokens) == theirs.pop("m", tokens)
+        elif op < 0.65:
+            tokens = rng.choice(stored)
+            popped = theirs.pop_prefixes("m", tokens)
+            assert ours.pop_prefixes("m", tokens) == popped
+            for length, _ in popped:
+                stored.remove(tokens[:length])
+        else:
+            query = rng.choice([sequence(), rng.choice(stored) + [rng.randrange(50)],
+                                rng.choice(stored)[:rng.randrange(1, 20)]])
+            a, b = ours.search("m", query), theirs.search("m", query)
+            assert (a.exact, a.shorter, a.common_prefix) == (b.exact, b.shorter, b.common_prefix)
+            assert (a.longer is None) == (b.longer is None)
+            if a.longer is not None:
+                assert a.longer in stored and a.longer[:a.common_prefix] == query[:a.common_prefix]
+                assert ours.get("m", a.longer) == theirs.get("m", a.longer)
+        for tokens in rng.sample(stored, min(3, len(stored))):
+            assert ours.get("m", tokens) == theirs.get("m", tokens)
 
 
 async def test_a_new_conversation_reuses_the_shared_system_prompt(tiny_model_dir):
