@@ -21,7 +21,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int) -> None:
         self._lru = LRUPromptCache(max_size=1 << 20, max_bytes=max_bytes) if max_bytes else None
         if self._lru is not None:  # the same cache over a trie that scales (see its module)
-            self._lru._trie = RadixPromptTrie()
+            self._lru._trie = RadixPromptTrie()  # type: ignore[assignment]
 
     @property
     def enabled(self) -> bool:
