@@ -1,0 +1,156 @@
+"""mlx_serve against itself under different environments, interleaved: one knob's effect.
+
+Starts one mlx_serve per variant on 127.0.0.1 (same model and batch settings, each with
+its own extra environment variables), warms each with one burst, then for each round
+and concurrency runs every variant on the same fresh prompts, in an order rotated every
+round, and prints each run and, per concurrency, every variant's output tokens/s, TTFT
+p50 and TPOT p50 relative to the first variant (median [min-max] over rounds).
+
+    python -m benchmarks.env_ab --model default-f32 --concurrency 1,8 --rounds 2 \\
+        --variant OPENBLAS_NUM_THREADS=1 --variant OPENBLAS_NUM_THREADS=2
+    python -m benchmarks.env_ab --model DIR --variant MLX_SERVE_DECODE_BATCH_SIZE=64 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.ab import RESULTS_DIR, resolve_blas, resolve_model_path, rotated
+from benchmarks.loadgen import Target, run_async, run_load
+from benchmarks.servers import BatchConfig, ServerProcess, blas_env, free_port, mlx_serve_command
+from benchmarks.workload import Workload, build_prompts, load_tokenizer
+
+METRICS = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_ms", "p50"),
+           ("TPOT p50", "tpot_ms", "p50"))
+
+
+def parse_variant(text: str) -> dict[str, str]:
+    """``A=1,B=2`` -> {"A": "1", "B": "2"}; ``-`` is the unchanged environment."""
+    if text == "-":
+        return {}
+    pairs = [item.split("=", 1) for item in text.split(",")]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise argparse.ArgumentTypeError(f"not NAME=VALUE[,NAME=VALUE...]: {text!r}")
+    return dict(pairs)
+
+
+def metric(summary: dict[str, Any], key: str, field: str | None) -> float | None:
+    value = summary[key] if field is None else summary[key][field]
+    return float(value) if value is not None else None
+
+
+def relative_table(runs: list[dict[str, Any]], variants: list[str]) -> str:
+    lines = ["| conc | variant | " + " | ".join(name for name, _, _ in METRICS) + " |",
+             "|---|---|" + "---|" * len(METRICS)]
+    for conc in sorted({r["concurrency"] for r in runs}):
+        for variant in variants:
+            cells = []
+            for _, key, field in METRICS:
+                values = []
+                for rnd in sorted({r["round"] for r in runs}):
+                    mine = [r for r in runs if (r["round"], r["concurrency"], r["variant"])
+                            == (rnd, conc, variant)]
+                    base = [r for r in runs if (r["round"], r["concurrency"], r["variant"])
+                            == (rnd, conc, variants[0])]
+                    if mine and base:
+                        a, b = metric(mine[0]["summary"], key, field), metric(
+                            base[0]["summary"], key, field)
+                        if a is not None and b:
+                            values.append(a / b)
+                cells.append(f"{statistics.median(values):.2f} [{min(values):.2f}-"
+                             f"{max(values):.2f}]" if values else "-")
+            lines.append(f"| {conc} | {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="env-ab-", dir=RESULTS_DIR))
+    model = resolve_model_path(args.model, workdir)
+    openblas = resolve_blas("auto")
+    tokenizer = load_tokenizer(model)
+    batch = BatchConfig(args.decode_batch_size, args.prefill_batch_size,
+                        args.prefill_step_size)
+    names = [",".join(f"{k}={v}" for k, v in env.items()) or "-" for env in args.variant]
+    runs: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:  # stops every started server, always
+        servers = {}
+        for i, (name, extra) in enumerate(zip(names, args.variant, strict=True)):
+            port = free_port()
+            server = ServerProcess(name, mlx_serve_command(model, port, batch), port,
+                                   workdir / f"server-{i}.log", {**blas_env(openblas), **extra})
+            stack.callback(server.stop)
+            servers[name] = server
+        for server in servers.values():
+            server.wait_ready(args.startup_timeout)
+        conc_max = max(args.concurrency)
+        for i, server in enumerate(servers.values()):
+            warm = Workload(args.prompt_tokens, 8, conc_max, conc_max, 999_999 + i, None, 60.0)
+            run_async(run_load(Target(server.base_url), warm,
+                               build_prompts(tokenizer, conc_max, args.prompt_tokens,
+                                             warm.seed)))
+        for rnd in range(args.rounds):
+            for conc in args.concurrency:
+                count = max(args.min_requests, args.requests_per_stream * conc)
+                workload = Workload(args.prompt_tokens, args.output_tokens, count, conc,
+                                    1000 * rnd + conc, None, args.run_time_limit)
+                prompts = build_prompts(tokenizer, count, args.prompt_tokens, workload.seed)
+                for name in rotated(tuple(names), rnd):
+                    target = Target(servers[name].base_url, request_timeout=60.0,
+                                    health_probe=args.health_probe or None)
+                    summary = run_async(run_load(target, workload, prompts))["summary"]
+                    runs.append({"round": rnd, "concurrency": conc, "variant": name,
+                                 "summary": summary})
+                    print(f"round {rnd} c={conc:<4} {name:<32} tok/s "
+                          f"{summary['output_throughput']:9.1f}  TTFT p50 "
+                          f"{summary['ttft_ms']['p50'] or 0:8.2f}  TPOT p50 "
+                          f"{summary['tpot_ms']['p50'] or 0:7.2f}  failed {summary['failed']}",
+                          flush=True)
+    print(relative_table(runs, names))
+    return {"argv": sys.argv[1:], "model": model, "variants": names, "runs": runs}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.env_ab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", type=parse_variant, action="append", required=True,
+                   help="NAME=VALUE[,NAME=VALUE...] for one server ('-': as is); repeat")
+    p.add_argument("--model", default="tiny",
+                   help="tiny | default (SmolLM2 4-bit) | default-f32 | a model folder")
+    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")],
+                   default=[1, 16])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--decode-batch-size", type=int, default=64)
+    p.add_argument("--prefill-batch-size", type=int, default=8)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--health-probe", type=float, default=0.0, help="seconds; 0 disables")
+    p.add_argument("--run-time-limit", type=float, default=120.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--out", default=None, help="results JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if len(args.variant) < 2:
+        raise SystemExit("give at least two --variant")
+    report = run(args)
+    out = Path(args.out) if args.out else RESULTS_DIR / "env-ab.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
