@@ -1,0 +1,50 @@
+"""The benchmark tools measure a real server: load generator, /health probe, env A/B."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks.env_ab import parse_variant, relative_table
+from benchmarks.loadgen import Target, run_load
+from benchmarks.workload import Workload, build_prompts, load_tokenizer
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_load_generator_counts_streamed_tokens_and_probes_health(
+        tiny_server, tiny_model_dir):
+    workload = Workload(prompt_tokens=16, output_tokens=8, num_requests=6, concurrency=3,
+                        time_limit=60.0)
+    prompts = build_prompts(load_tokenizer(str(tiny_model_dir)), 6, 16, seed=3)
+    target = Target(tiny_server.base_url, request_timeout=30.0, health_probe=0.02)
+    summary = (await run_load(target, workload, prompts))["summary"]
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert 1 <= summary["mean_output_tokens"] <= 8
+    assert summary["ttft_ms"]["p50"] > 0 and summary["output_throughput"] > 0
+    assert summary["client_cpu"] > 0
+    assert summary["health"]["probes"] > 0 and summary["health"]["failed"] == 0
+
+
+async def test_a_server_that_is_not_there_fails_every_request_without_hanging():
+    workload = Workload(16, 8, num_requests=2, concurrency=1, time_limit=10.0)
+    target = Target("http://127.0.0.1:9", request_timeout=5.0)  # discard port: refused
+    summary = (await run_load(target, workload, ["a b c", "d e f"]))["summary"]
+    assert (summary["completed"], summary["failed"]) == (0, 2)
+
+
+def test_variants_parse_and_compare_against_the_first():
+    assert parse_variant("A=1,B=x=y") == {"A": "1", "B": "x=y"}
+    assert parse_variant("-") == {}
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_variant("NOVALUE")
+
+    def run(rnd, variant, tok_s):
+        return {"round": rnd, "concurrency": 4, "variant": variant,
+                "summary": {"output_throughput": tok_s, "ttft_ms": {"p50": 10.0},
+                            "tpot_ms": {"p50": 2.0}}}
+
+    runs = [run(0, "a", 100), run(0, "b", 150), run(1, "a", 200), run(1, "b", 220)]
+    table = relative_table(runs, ["a", "b"])
+    assert "| 4 | b | 1.30 [1.10-1.50] | 1.00 [1.00-1.00] |" in table
