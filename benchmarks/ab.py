@@ -64,11 +64,12 @@ class ABConfig:
     health_probe: float | None = 0.2
     targets: tuple[str, ...] = (ENGINE, OURS, MLX_LM)
     blas: str = "auto"  # auto: OpenBLAS for all three when installed (mlx_serve's default)
+    rate: float | None = None  # open loop (Poisson arrivals); concurrency is then the cap
 
     def workload(self, concurrency: int, seed: int) -> Workload:
         n = max(self.min_requests, self.requests_per_stream * concurrency)
         return Workload(self.prompt_tokens, self.output_tokens, n, concurrency, seed,
-                        None, self.run_time_limit)
+                        self.rate, self.run_time_limit)
 
 
 def resolve_model_path(spec: str, workdir: Path) -> str:
@@ -157,6 +158,7 @@ class ABRunner:
                "--prompt-tokens", str(workload.prompt_tokens),
                "--output-tokens", str(workload.output_tokens),
                "--time-limit", str(workload.time_limit), "--seed", str(workload.seed),
+               *(["--rate", str(workload.rate)] if workload.rate else []),
                "--decode-batch-size", str(b.decode_batch_size),
                "--prefill-batch-size", str(b.prefill_batch_size),
                "--prefill-step-size", str(b.prefill_step_size),
@@ -246,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blas", choices=("auto", "openblas", "reference"), default="auto",
                    help="BLAS for all three contenders (auto: OpenBLAS when installed)")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated list")
+    p.add_argument("--rate", type=float, default=None,
+                   help="open loop: Poisson arrivals per second (concurrency is the cap)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
@@ -281,7 +285,7 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
                           args.prefill_step_size),
         api=args.api, stream=args.stream, run_time_limit=args.run_time_limit,
         health_probe=args.health_probe or None, targets=tuple(args.targets.split(",")),
-        blas=args.blas)
+        blas=args.blas, rate=args.rate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (50, 90, 95, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 
 
@@ -45,7 +45,7 @@ class RequestRecord:
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
-    """p50/p90/p99 and mean in milliseconds; None when there is nothing to measure."""
+    """p50/p90/p95/p99 and mean in milliseconds; None when there is nothing to measure."""
     if not values:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     arr = np.asarray(values, dtype=float) * 1000.0

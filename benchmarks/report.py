@@ -21,6 +21,7 @@ METRICS: dict[str, Getter] = {
     "TTFT p50": lambda s: s["ttft_ms"]["p50"],
     "ITL p50": lambda s: s["itl_ms"]["p50"],
     "ITL p90": lambda s: s["itl_ms"]["p90"],
+    "ITL p95": lambda s: s["itl_ms"].get("p95"),
     "TPOT p50": lambda s: s["tpot_ms"]["p50"],
 }
 
