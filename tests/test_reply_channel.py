@@ -66,3 +66,57 @@ async def test_take_ready_returns_everything_queued_without_waiting():
         channel.put(i)
     assert channel.take_ready() == [0, 1, 2]
     assert channel.take_ready() == []
+
+
+async def test_the_consumer_wakes_for_the_first_item_then_every_n_items_or_the_end():
+    channel = ReplyChannel[int](wake_every=3)
+    batches: list[list[int]] = []
+
+    async def consume():
+        async for item in channel:
+            batches.append([item, *channel.take_ready()])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await anyio.wait_all_tasks_blocked()
+        channel.put(1)  # the first item: at once (time to first token)
+        await anyio.wait_all_tasks_blocked()
+        assert batches == [[1]]
+        channel.put(2)
+        channel.put(3)
+        await anyio.wait_all_tasks_blocked()
+        assert batches == [[1]]  # two waiting: not yet
+        channel.put(4)
+        await anyio.wait_all_tasks_blocked()
+        assert batches == [[1], [2, 3, 4]]
+        channel.put(5)
+        channel.put(6, urgent=True)  # a terminal event does not wait for company
+        await anyio.wait_all_tasks_blocked()
+        assert batches == [[1], [2, 3, 4], [5, 6]]
+        channel.put(7)
+        channel.close_producer()
+    assert batches == [[1], [2, 3, 4], [5, 6], [7]]
+
+
+async def test_a_whole_reply_channel_wakes_only_at_its_end():
+    channel = ReplyChannel[int](producers=2, wake_every=None)
+    received: list[int] = []
+
+    async def consume():
+        async for item in channel:
+            received.append(item)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await anyio.wait_all_tasks_blocked()
+        channel.put(0)  # the first item still wakes it
+        await anyio.wait_all_tasks_blocked()
+        for i in range(1, 5):
+            channel.put(i)
+        await anyio.wait_all_tasks_blocked()
+        assert received == [0]
+        channel.close_producer()
+        await anyio.wait_all_tasks_blocked()
+        assert received == [0]  # one producer is left
+        channel.close_producer()
+    assert received == [0, 1, 2, 3, 4]

@@ -59,6 +59,11 @@ class Settings(BaseSettings):
         "reasoning", description="reply field(s) that carry a thinking model's reasoning"
     )
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
+    stream_interval: int = Field(
+        1, ge=1, le=64,
+        description="tokens per streamed chunk after the first (1: every token; more: "
+                    "fewer writes at high concurrency)",
+    )
 
     step_timeout: float = Field(120.0, gt=0, description="seconds before a step counts as wedged")
     max_failed_rebuilds: int = Field(3, ge=1, description="failed rebuilds in a row before failed")

@@ -131,15 +131,16 @@ class Engine:
 
     # -- producers' side: synchronous, never waits on the actor ----------------------------
 
-    def submit(self, *requests: GenerationRequest) -> RequestHandle:
+    def submit(self, *requests: GenerationRequest, wake_every: int | None = 1
+               ) -> RequestHandle:
         """Queue requests that share one reply stream (the choices of one HTTP request).
 
         Events on the stream carry their request's ``index``; the stream ends once every
-        request has had its terminal event.
+        request has had its terminal event. ``wake_every``: see ``ReplyChannel``.
         """
         if self._state not in (EngineState.READY, EngineState.RECOVERING):
             raise self.unavailable_error()
-        reply = ReplyChannel[ReplyEvent](producers=len(requests))
+        reply = ReplyChannel[ReplyEvent](producers=len(requests), wake_every=wake_every)
         handle = RequestHandle(requests[0].request_id, reply)
         try:
             for request in requests:
@@ -407,7 +408,7 @@ def _answer(entry: _Open, event: ReplyEvent) -> None:
     """Send a terminal event and close the reply stream; a departed client is fine."""
     if isinstance(event, Failure) and event.index != entry.request.index:
         event = Failure(event.error, entry.request.index)
-    entry.reply.put(event)
+    entry.reply.put(event, urgent=True)
     entry.reply.close_producer()
 
 

@@ -5,8 +5,11 @@ for every token of every stream (``receive`` always checkpoints first); at 128
 streams that is the event loop's time that the batch step needs.
 
 Several producers may share a channel (the choices of one HTTP request): it ends for
-the consumer once every producer has closed its side. The consumer closing the channel
-is how the actor learns that the client is gone.
+the consumer once every producer has closed its side. With ``wake_every=N`` the consumer
+is woken by the first item and then only once N items wait (or the channel ends): a
+stream that writes every N tokens costs the event loop one wake-up per N steps, and a
+whole (non-streamed) reply, ``wake_every=None``, none until it is complete. The
+consumer closing the channel is how the actor learns that the client is gone.
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ T = TypeVar("T")
 
 
 class ReplyChannel(Generic[T]):
-    __slots__ = ("_items", "_waiter", "_producers", "_consumer_gone")
+    __slots__ = ("_items", "_waiter", "_producers", "_consumer_gone", "_wake_every",
+                 "_woken")
 
-    def __init__(self, producers: int = 1) -> None:
+    def __init__(self, producers: int = 1, wake_every: int | None = 1) -> None:
         self._items: deque[T] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._producers = producers
         self._consumer_gone = False
+        self._wake_every = wake_every
+        self._woken = False  # the first item always wakes (time to first token)
 
     # -- producers (the actor) -------------------------------------------------------
 
@@ -33,11 +39,17 @@ class ReplyChannel(Generic[T]):
     def consumer_gone(self) -> bool:
         return self._consumer_gone
 
-    def put(self, item: T) -> None:
-        """Queue an item; dropped silently once the consumer has gone."""
+    def put(self, item: T, urgent: bool = False) -> None:
+        """Queue an item; dropped silently once the consumer has gone.
+
+        ``urgent`` wakes the consumer whatever ``wake_every`` says (a terminal event).
+        """
         if not self._consumer_gone:
             self._items.append(item)
-            self._wake()
+            if urgent or not self._woken or (self._wake_every is not None
+                                             and len(self._items) >= self._wake_every):
+                self._woken = True
+                self._wake()
 
     def close_producer(self) -> None:
         self._producers -= 1

@@ -110,12 +110,16 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
                        reasoning_format=prepared.reasoning_format,
                        tool_parser=getattr(tokenizer, "tool_parser", None) if prepared.tools
                        else None, tools=prepared.tools, id=request_id)
-    handle = state.engine.submit(*prepared.requests)
+    interval = state.settings.stream_interval
+    # A whole reply wakes its handler once, at the end; a stream every `interval` tokens.
+    handle = state.engine.submit(*prepared.requests,
+                                 wake_every=interval if body.stream else None)
     choices = len(prepared.requests)
     if body.stream:
         await fail_fast(handle, request, state.settings.sse_ping_seconds)
         return SSEResponse(sse_events(handle, shape, choices, state.failpoints, body.user,
-                                      state.settings.sse_ping_seconds))
+                                      state.settings.sse_ping_seconds,
+                                      merge_text=interval > 1))
     return JSONResponse(await collect(handle, shape, choices, request))
 
 

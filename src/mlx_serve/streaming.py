@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -12,7 +13,7 @@ from starlette.responses import StreamingResponse
 from mlx_serve.engine import RequestHandle
 from mlx_serve.errors import MLXServeError
 from mlx_serve.failpoints import FailPoints
-from mlx_serve.generation import Failure
+from mlx_serve.generation import Delta, Failure, ReplyEvent
 from mlx_serve.replies import Choice, ReplyShape
 
 
@@ -36,14 +37,15 @@ def _frame(payload: str) -> bytes:
 
 async def sse_events(
     handle: RequestHandle, shape: ReplyShape, choices: int, failpoints: FailPoints,
-    user: str | None, ping_seconds: float,
+    user: str | None, ping_seconds: float, merge_text: bool = False,
 ) -> AsyncIterator[bytes]:
     """The SSE frames of one streamed reply, ending with ``data: [DONE]``.
 
     Until the first output, a comment every ``ping_seconds`` keeps idle-timeout proxies
     from cutting the connection. An error after the stream has started becomes an
     ``error`` object, then ``[DONE]``. Leaving early (the client is gone) closes the
-    handle, which tells the actor to drop the request's sequences.
+    handle, which tells the actor to drop the request's sequences. With ``merge_text``
+    the plain-text deltas that queued up together go out as one chunk.
     """
     users = (user,) if user is not None else ()
     state = [Choice(i) for i in range(choices)]
@@ -63,7 +65,8 @@ async def sse_events(
                 # Everything that queued up meanwhile goes out in one write: when the
                 # event loop falls behind, each write carries several tokens.
                 frames = []
-                for ready in (event, *handle.take_ready()):
+                pending = [event, *handle.take_ready()]
+                for ready in merge_text_deltas(pending) if merge_text else pending:
                     if isinstance(ready, Failure):
                         frames.append(_frame(json.dumps(ready.error.to_dict())))
                         failed = True
@@ -86,6 +89,27 @@ async def sse_events(
             error = MLXServeError(f"streaming failed: {type(exc).__name__}")
             yield _frame(json.dumps(error.to_dict()))
         yield b"data: [DONE]\n\n"
+
+
+def _plain(event: ReplyEvent) -> bool:
+    return (isinstance(event, Delta) and not event.reasoning and not event.tool_calls
+            and not event.logprobs)
+
+
+def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
+    """Join runs of one choice's plain-text deltas (the last may carry the finish)."""
+    merged: list[ReplyEvent] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if (isinstance(last, Delta) and isinstance(event, Delta) and _plain(last)
+                and _plain(event) and last.finish_reason is None
+                and last.index == event.index):
+            merged[-1] = dataclasses.replace(
+                event, text=last.text + event.text,
+                token_count=last.token_count + event.token_count)
+        else:
+            merged.append(event)
+    return merged
 
 
 async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, request: Request
