@@ -62,3 +62,23 @@ def test_n_choices_stream_with_their_own_indexes(interval_server):
         text = "".join(c["choices"][0]["text"] for c in chunks
                        if c["choices"] and c["choices"][0]["index"] == index)
         assert text == whole["choices"][index]["text"]
+
+
+def test_merging_keeps_each_choice_s_order_and_leaves_rich_deltas_alone():
+    from mlx_serve.errors import GenerationError
+    from mlx_serve.generation import Delta, Failure, FinishReason, TokenLogprob
+    from mlx_serve.streaming import merge_text_deltas
+
+    lp = (TokenLogprob("x", (120,), -0.5),)
+    events = [Delta("a", 1, index=0), Delta("b", 1, index=1), Delta("c", 1, index=0),
+              Delta("d", 1, index=1, logprobs=lp), Delta("e", 1, index=1),
+              Delta("f", 1, FinishReason.STOP, index=0, cached_tokens=3),
+              Delta("g", 1, index=0)]
+    merged = merge_text_deltas(events)
+    assert [(d.index, d.text, d.token_count, d.finish_reason) for d in merged] == [
+        (0, "acf", 3, FinishReason.STOP), (1, "b", 1, None), (1, "d", 1, None),
+        (1, "e", 1, None), (0, "g", 1, None)]
+    assert merged[0].cached_tokens == 3 and merged[2].logprobs == lp
+    failure = Failure(GenerationError("boom"), 1)
+    assert merge_text_deltas([Delta("a", 1), failure, Delta("b", 1)]) == [
+        Delta("ab", 2), failure]

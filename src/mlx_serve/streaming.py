@@ -97,18 +97,25 @@ def _plain(event: ReplyEvent) -> bool:
 
 
 def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
-    """Join runs of one choice's plain-text deltas (the last may carry the finish)."""
+    """Join each choice's runs of plain-text deltas (the last may carry the finish).
+
+    Choices of one request interleave step by step; each keeps its own order.
+    """
     merged: list[ReplyEvent] = []
+    open_at: dict[int, int] = {}  # choice -> position of its last mergeable delta
     for event in events:
-        last = merged[-1] if merged else None
-        if (isinstance(last, Delta) and isinstance(event, Delta) and _plain(last)
-                and _plain(event) and last.finish_reason is None
-                and last.index == event.index):
-            merged[-1] = dataclasses.replace(
+        at = open_at.pop(event.index, None)
+        if at is not None and _plain(event):
+            last = merged[at]
+            assert isinstance(last, Delta) and isinstance(event, Delta)
+            merged[at] = dataclasses.replace(
                 event, text=last.text + event.text,
                 token_count=last.token_count + event.token_count)
         else:
+            at = len(merged)
             merged.append(event)
+        if _plain(event) and event.finish_reason is None:  # type: ignore[union-attr]
+            open_at[event.index] = at
     return merged
 
 
