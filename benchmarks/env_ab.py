@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -24,11 +23,11 @@ from typing import Any
 
 from benchmarks.ab import RESULTS_DIR, resolve_blas, resolve_model_path, rotated
 from benchmarks.loadgen import Target, run_async, run_load
+from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import BatchConfig, ServerProcess, blas_env, free_port, mlx_serve_command
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
-METRICS = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_ms", "p50"),
-           ("TPOT p50", "tpot_ms", "p50"))
+SHOWN = ("output tok/s", "TTFT p50", "TPOT p50")  # of report.METRICS
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -41,31 +40,13 @@ def parse_variant(text: str) -> dict[str, str]:
     return dict(pairs)
 
 
-def metric(summary: dict[str, Any], key: str, field: str | None) -> float | None:
-    value = summary[key] if field is None else summary[key][field]
-    return float(value) if value is not None else None
-
-
 def relative_table(runs: list[dict[str, Any]], variants: list[str]) -> str:
-    lines = ["| conc | variant | " + " | ".join(name for name, _, _ in METRICS) + " |",
-             "|---|---|" + "---|" * len(METRICS)]
-    for conc in sorted({r["concurrency"] for r in runs}):
+    """Each variant's figures over the first variant's, per concurrency."""
+    lines = ["| conc | variant | " + " | ".join(SHOWN) + " |", "|---|---|" + "---|" * len(SHOWN)]
+    by_conc = rounds_by_concurrency(runs, name="variant", summary=lambda run: run["summary"])
+    for conc, rounds in by_conc.items():
         for variant in variants:
-            cells = []
-            for _, key, field in METRICS:
-                values = []
-                for rnd in sorted({r["round"] for r in runs}):
-                    mine = [r for r in runs if (r["round"], r["concurrency"], r["variant"])
-                            == (rnd, conc, variant)]
-                    base = [r for r in runs if (r["round"], r["concurrency"], r["variant"])
-                            == (rnd, conc, variants[0])]
-                    if mine and base:
-                        a, b = metric(mine[0]["summary"], key, field), metric(
-                            base[0]["summary"], key, field)
-                        if a is not None and b:
-                            values.append(a / b)
-                cells.append(f"{statistics.median(values):.2f} [{min(values):.2f}-"
-                             f"{max(values):.2f}]" if values else "-")
+            cells = [cell(pair_spread(rounds, variant, variants[0], METRICS[m])) for m in SHOWN]
             lines.append(f"| {conc} | {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -39,22 +39,33 @@ def spread(values: list[float]) -> dict[str, float] | None:
             "n": len(values)}
 
 
+def rounds_by_concurrency(runs: list[dict[str, Any]], name: str = "target",
+                          summary: Getter | None = None) -> dict[int, list[dict[str, Any]]]:
+    """{concurrency: [{contender: summary} for each round]} from a flat list of runs."""
+    get = summary or (lambda run: run["result"]["summary"])
+    by_key: dict[tuple[int, int], dict[str, Any]] = {}
+    for run in runs:
+        by_key.setdefault((run["concurrency"], run["round"]), {})[run[name]] = get(run)
+    out: dict[int, list[dict[str, Any]]] = {}
+    for (conc, _), contenders in sorted(by_key.items()):
+        out.setdefault(conc, []).append(contenders)
+    return out
+
+
+def pair_spread(rounds: list[dict[str, Any]], a: str, b: str, get: Getter
+                ) -> dict[str, float] | None:
+    """Median [min-max] over rounds of a's figure over b's, each taken within a round."""
+    return spread([r for s in rounds if a in s and b in s
+                   if (r := _ratio(get(s[a]), get(s[b]))) is not None])
+
+
 def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """{concurrency: {metric: {"a/b": spread}}} from the flat list of runs."""
-    by_key: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
-    for run in runs:
-        by_key.setdefault((run["concurrency"], run["round"]), {})[run["target"]] = \
-            run["result"]["summary"]
     out: dict[str, Any] = {}
-    for conc in sorted({c for c, _ in by_key}):
-        rounds = [v for (c, _), v in sorted(by_key.items()) if c == conc]
-        table: dict[str, Any] = {}
-        for metric, get in METRICS.items():
-            table[metric] = {}
-            for a, b in PAIRS:
-                values = [r for s in rounds if a in s and b in s
-                          if (r := _ratio(get(s[a]), get(s[b]))) is not None]
-                table[metric][f"{a}/{b}"] = spread(values)
+    for conc, rounds in rounds_by_concurrency(runs).items():
+        table: dict[str, Any] = {
+            metric: {f"{a}/{b}": pair_spread(rounds, a, b, get) for a, b in PAIRS}
+            for metric, get in METRICS.items()}
         table["failed"] = {name: sum(s[name]["failed"] for s in rounds if name in s)
                            for name in (ENGINE, OURS, MLX_LM)}
         table["health_p99_ms"] = {name: _max_health(rounds, name) for name in (OURS, MLX_LM)}
@@ -69,7 +80,8 @@ def _max_health(rounds: list[dict[str, Any]], name: str) -> float | None:
     return max(values) if values else None
 
 
-def _cell(sp: dict[str, float] | None) -> str:
+def cell(sp: dict[str, float] | None) -> str:
+    """``median [min-max]`` of a spread, or ``-``."""
     if sp is None:
         return "-"
     return f"{sp['median']:.2f} [{sp['min']:.2f}-{sp['max']:.2f}]"
@@ -82,7 +94,7 @@ def format_ratios(table: dict[str, Any]) -> str:
     lines = [header, "|" + "---|" * (2 + len(pairs))]
     for conc, rows in table.items():
         for metric in METRICS:
-            cells = " | ".join(_cell(rows[metric][p]) for p in pairs)
+            cells = " | ".join(cell(rows[metric][p]) for p in pairs)
             lines.append(f"| {conc} | {metric} | {cells} |")
     lines.append("")
     lines.append("| conc | failed requests (engine / mlx_serve / mlx_lm) "

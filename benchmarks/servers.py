@@ -123,11 +123,3 @@ def rss_bytes(pid: int) -> int:
                     return int(line.split()[1]) * 1024
         raise RuntimeError(f"no VmRSS for pid {pid}") from None
     return int(psutil.Process(pid).memory_info().rss)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` so far (Linux /proc), for idle-load checks."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks

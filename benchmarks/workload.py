@@ -88,7 +88,3 @@ def _exact_prompt(tokenizer: Tokenizer, pieces: list[str], length: int,
 
 def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text))
-
-
-def prompt_token_ids(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:
-    return [_encode(tokenizer, p) for p in prompts]

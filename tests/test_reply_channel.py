@@ -6,18 +6,19 @@ from mlx_serve.reply_channel import ReplyChannel
 pytestmark = pytest.mark.anyio
 
 
+async def consume_into(channel, received: list) -> None:
+    async for item in channel:
+        received.append(item)
+
+
 async def test_items_arrive_in_order_and_the_channel_ends_with_its_last_producer():
     channel = ReplyChannel[int](producers=2)
     channel.put(1)
     channel.close_producer()
-    received = []
-
-    async def consume():
-        async for item in channel:
-            received.append(item)
+    received: list[int] = []
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(consume)
+        tg.start_soon(consume_into, channel, received)
         await anyio.wait_all_tasks_blocked()
         assert received == [1]  # still open: one producer is left
         channel.put(2)
@@ -102,12 +103,8 @@ async def test_a_whole_reply_channel_wakes_only_at_its_end():
     channel = ReplyChannel[int](producers=2, wake_every=None)
     received: list[int] = []
 
-    async def consume():
-        async for item in channel:
-            received.append(item)
-
     async with anyio.create_task_group() as tg:
-        tg.start_soon(consume)
+        tg.start_soon(consume_into, channel, received)
         await anyio.wait_all_tasks_blocked()
         channel.put(0)  # the first item still wakes it
         await anyio.wait_all_tasks_blocked()

@@ -39,10 +39,6 @@ class MLXThread:
         self._jobs.put(_STOP)
         self._thread.join(timeout)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _serve(self) -> None:
         while True:
             job = self._jobs.get()

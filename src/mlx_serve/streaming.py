@@ -91,21 +91,18 @@ async def sse_events(
         yield b"data: [DONE]\n\n"
 
 
-def _plain(event: ReplyEvent) -> bool:
-    return (isinstance(event, Delta) and not event.reasoning and not event.tool_calls
-            and not event.logprobs)
-
-
 def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
     """Join each choice's runs of plain-text deltas (the last may carry the finish).
 
     Choices of one request interleave step by step; each keeps its own order.
     """
     merged: list[ReplyEvent] = []
-    open_at: dict[int, int] = {}  # choice -> position of its last mergeable delta
+    open_at: dict[int, int] = {}  # choice -> position of its last unfinished text delta
     for event in events:
         at = open_at.pop(event.index, None)
-        if at is not None and _plain(event):
+        plain = (isinstance(event, Delta) and not event.reasoning and not event.tool_calls
+                 and not event.logprobs)
+        if plain and at is not None:
             last = merged[at]
             assert isinstance(last, Delta) and isinstance(event, Delta)
             merged[at] = dataclasses.replace(
@@ -114,7 +111,7 @@ def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
         else:
             at = len(merged)
             merged.append(event)
-        if _plain(event) and event.finish_reason is None:  # type: ignore[union-attr]
+        if plain and event.finish_reason is None:  # type: ignore[union-attr]
             open_at[event.index] = at
     return merged
 

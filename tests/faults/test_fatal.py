@@ -46,6 +46,15 @@ def in_flight(client, count: int = 8, max_tokens: int = 48):
             for i in range(count)]
 
 
+async def every_step_failing_midflight(client) -> list[Reply]:
+    """Eight requests in flight, then every step fails; their replies."""
+    async def arm() -> None:
+        await wait_for_requests(client, 8)
+        await set_failpoint(client, "engine.step", DEAD)
+
+    return await gather(*in_flight(client), alongside=[arm])
+
+
 def assert_all_failed(replies: list[Reply], codes: set[str]) -> None:
     assert_all_terminal(replies)
     for reply in replies:
@@ -77,11 +86,7 @@ async def test_every_step_failing_ends_in_failed_and_answers_everyone(launch):
     server = launch("--failpoints-http", "--max-failed-rebuilds", str(K), failpoints=GATE)
     with anyio.fail_after(30):
         async with http_client(server) as client:
-            async def arm() -> None:
-                await wait_for_requests(client, 8)
-                await set_failpoint(client, "engine.step", DEAD)
-
-            replies = await gather(*in_flight(client), alongside=[arm])
+            replies = await every_step_failing_midflight(client)
             stats = await wait_for_state(client, "failed", timeout=10)
             health_status, _ = await health(client)
             live_status, live = await health(client, "/live")
@@ -106,11 +111,7 @@ async def test_exit_on_fatal_makes_the_process_exit_non_zero(launch):
                     failpoints=GATE)
     with anyio.fail_after(30):
         async with http_client(server) as client:
-            async def arm() -> None:
-                await wait_for_requests(client, 8)
-                await set_failpoint(client, "engine.step", DEAD)
-
-            replies = await gather(*in_flight(client), alongside=[arm])
+            replies = await every_step_failing_midflight(client)
 
             async def exited() -> bool:
                 return server.proc.poll() is not None
