@@ -24,7 +24,7 @@ def probe_until_stdin_closes(base_url: str, interval: float) -> list[tuple[float
     url = urlsplit(base_url)
     samples: list[tuple[float, bool]] = []
     print("ready", flush=True)
-    while not select.select([sys.stdin], [], [], interval)[0]:
+    while True:  # one probe at once, then one per interval until stdin closes
         start = time.perf_counter()
         try:  # a fresh connection each time, as a Kubernetes probe makes
             conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port,
@@ -35,7 +35,8 @@ def probe_until_stdin_closes(base_url: str, interval: float) -> list[tuple[float
         except OSError:
             ok = False
         samples.append((time.perf_counter() - start, ok))
-    return samples
+        if select.select([sys.stdin], [], [], interval)[0]:
+            return samples
 
 
 class HealthProbe:
