@@ -65,6 +65,7 @@ class ABConfig:
     targets: tuple[str, ...] = (ENGINE, OURS, MLX_LM)
     blas: str = "auto"  # auto: OpenBLAS for all three when installed (mlx_serve's default)
     rate: float | None = None  # open loop (Poisson arrivals); concurrency is then the cap
+    settle: float = 0.0  # seconds of quiet before every measured run
 
     def workload(self, concurrency: int, seed: int) -> Workload:
         n = max(self.min_requests, self.requests_per_stream * concurrency)
@@ -128,6 +129,7 @@ class ABRunner:
                 workload = cfg.workload(conc, cfg.seed + 1000 * rnd + conc)
                 prompts, warmup = self.prompts(workload)
                 for name in rotated(cfg.targets, rnd):
+                    time.sleep(cfg.settle)
                     load_before = os.getloadavg()[0]
                     result = self.run_one(name, workload, prompts, warmup)
                     self.runs.append({"round": rnd, "concurrency": conc, "target": name,
@@ -264,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-time-limit", type=float, default=120.0, help="seconds per run")
     p.add_argument("--health-probe", type=float, default=0.2, help="seconds; 0 disables")
     p.add_argument("--targets", default=f"{ENGINE},{OURS},{MLX_LM}")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds of quiet before every measured run (same for all)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
     p.add_argument("--rss-run", type=int, default=None, metavar="N",
                    help="memory mode: N requests against mlx_serve, RSS drift")
@@ -285,7 +289,7 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
                           args.prefill_step_size),
         api=args.api, stream=args.stream, run_time_limit=args.run_time_limit,
         health_probe=args.health_probe or None, targets=tuple(args.targets.split(",")),
-        blas=args.blas, rate=args.rate)
+        blas=args.blas, rate=args.rate, settle=args.settle)
 
 
 def main(argv: list[str] | None = None) -> int:
