@@ -144,7 +144,9 @@ class ABRunner:
         cfg = self.config
         target = Target(self.servers[name].base_url, cfg.api, cfg.stream, None,
                         cfg.request_timeout, cfg.health_probe)
-        return run_async(run_load(target, workload, prompts, tuple(warmup)))
+        result = run_async(run_load(target, workload, prompts, tuple(warmup)))
+        result["health_after"] = self.servers[name].health()
+        return result
 
     def run_engine(self, workload: Workload, prompts: list[str],
                    warmup: list[str]) -> dict[str, Any]:
@@ -236,6 +238,9 @@ def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str]) -> dict[
     except KeyboardInterrupt:
         report["interrupted"] = True
         print("interrupted; every started server has been stopped", file=sys.stderr)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # a contender failed: keep the rest
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"stopped: {report['error']}", file=sys.stderr)
     if runner is not None and runner.runs:
         report["runs"], report["ratios"] = runner.runs, ratios(runner.runs)
     report["wall_s"] = round(time.monotonic() - started, 1)
@@ -309,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall {report['wall_s']} s; results in {out}")
     if report.get("interrupted"):
         return 130
+    if report.get("error"):
+        return 1
     # mlx_lm.server's failures are a finding; ours or the engine's fail the run.
     ours_failed = sum(r["result"]["summary"]["failed"] for r in report.get("runs", [])
                       if r["target"] != MLX_LM)

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -100,6 +101,14 @@ class ServerProcess:
                     return
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s; see {self.log_path}")
+
+    def health(self) -> dict[str, Any] | None:
+        """The server's /health body (mlx_serve's carries MLX memory figures), or None."""
+        try:
+            body = httpx.get(self.base_url + "/health", timeout=5.0).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
 
     def stop(self, timeout: float = 10.0) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):

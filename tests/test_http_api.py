@@ -518,6 +518,8 @@ def test_health_and_live_when_ready(server):
     assert h.json()["status"] == "ok"
     assert h.json()["state"] == "ready"
     assert {"running", "waiting"} <= h.json().keys()
+    memory = h.json()["memory"]
+    assert memory["active_bytes"] > 0 and memory["prefix_cache_bytes"] >= 0
     assert live.status_code == 200
     assert live.json()["status"] == "ok"
     assert elapsed < 1.0

@@ -1,4 +1,7 @@
-"""--stream-interval: fewer, larger chunks; the same text, usage and finish."""
+"""--stream-interval: fewer, larger chunks; the same text, usage and finish.
+
+The same server also runs with MLX's buffer cache off (--mlx-cache-limit-bytes 0).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ INTERVAL = 4
 def interval_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("interval") / "server.log"
     with ServerProcess(tiny_model_dir, log,
-                       env={"MLX_SERVE_STREAM_INTERVAL": str(INTERVAL)}) as server:
+                       env={"MLX_SERVE_STREAM_INTERVAL": str(INTERVAL),
+                            "MLX_SERVE_MLX_CACHE_LIMIT_BYTES": "0"}) as server:
         yield server
 
 
@@ -82,3 +86,14 @@ def test_merging_keeps_each_choice_s_order_and_leaves_rich_deltas_alone():
     failure = Failure(GenerationError("boom"), 1)
     assert merge_text_deltas([Delta("a", 1), failure, Delta("b", 1)]) == [
         Delta("ab", 2), failure]
+
+
+def test_with_a_zero_cache_limit_mlx_keeps_no_freed_memory(interval_server):
+    body = {"prompt": "Memory", "max_tokens": 20, "temperature": 0}
+    for _ in range(2):
+        assert httpx.post(interval_server.base_url + "/v1/completions", json=body,
+                          timeout=60).status_code == 200
+    memory = httpx.get(interval_server.base_url + "/health", timeout=5).json()["memory"]
+    assert memory["active_bytes"] > 0  # the weights
+    assert memory["cache_bytes"] == 0
+    assert memory["peak_bytes"] >= memory["active_bytes"]

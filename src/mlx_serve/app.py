@@ -62,7 +62,8 @@ def make_loader(settings: Settings, failpoints: FailPoints) -> Any:
                              settings.prefill_step_size)
         runner = load_runner(path, limits=limits, failpoints=failpoints,
                              max_context=settings.max_context,
-                             prefix_cache_bytes=settings.prefix_cache_bytes)
+                             prefix_cache_bytes=settings.prefix_cache_bytes,
+                             cache_limit_bytes=settings.mlx_cache_limit_bytes)
         log.info("model loaded: context %d tokens", runner.context_length)
         return runner
 

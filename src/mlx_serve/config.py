@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     prefix_cache_bytes: int = Field(
         1 << 30, ge=0, description="byte budget of the prompt prefix cache (0 turns it off)"
     )
+    mlx_cache_limit_bytes: int | None = Field(
+        None, ge=0,
+        description="most freed device memory MLX keeps for reuse (default: MLX's own limit)",
+    )
     max_n: int = Field(16, ge=1, le=128, description="most choices (n x prompts) per request")
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] = Field(
         "reasoning", description="reply field(s) that carry a thinking model's reasoning"

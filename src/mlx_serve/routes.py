@@ -140,6 +140,9 @@ async def health(request: Request) -> Response:
     stats = _state(request).engine.statistics()
     ok = stats.state in (EngineState.READY, EngineState.RECOVERING)
     body = {"status": "ok" if ok else stats.state.value, **stats.as_dict()}
+    runner = _state(request).engine.runner
+    if runner is not None:
+        body["memory"] = runner.memory()
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

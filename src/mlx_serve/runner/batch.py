@@ -179,6 +179,12 @@ class Runner:
     def live_ids(self) -> list[str]:
         return list(self._live)
 
+    def memory(self) -> dict[str, int]:
+        """MLX's allocator figures in bytes (plain counters: safe from any thread)."""
+        return {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
+                "peak_bytes": mx.get_peak_memory(),
+                "prefix_cache_bytes": self.prefix_cache.nbytes}
+
     def close(self) -> None:
         self._close_batch()
         self._live.clear()
@@ -312,12 +318,17 @@ def _user_set(user: str | None) -> set[str]:
 
 def load_runner(
     path: str, *, limits: BatchLimits, failpoints: FailPoints, max_context: int | None = None,
-    prefix_cache_bytes: int = 0,
+    prefix_cache_bytes: int = 0, cache_limit_bytes: int | None = None,
 ) -> Runner:
     """Load a model and build its runner. Call on the MLX thread."""
     from mlx_lm import load
 
     failpoints.check("startup.load")
+    if cache_limit_bytes is not None:
+        # MLX keeps freed buffers for reuse up to its memory limit by default: a server
+        # that once ran a large batch would hold that memory from other processes.
+        mx.set_cache_limit(cache_limit_bytes)
+        log.info("MLX buffer cache limited to %d bytes", cache_limit_bytes)
     model, tokenizer, config = load(path, return_config=True)  # type: ignore[misc]
     context = max_context or config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH
     vocab = config.get("vocab_size") or len(tokenizer.get_vocab())
