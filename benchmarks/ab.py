@@ -35,6 +35,7 @@ from benchmarks.servers import (
     BatchConfig,
     ServerProcess,
     blas_env,
+    cache_limit_flag,
     find_openblas,
     free_port,
     mlx_lm_command,
@@ -166,6 +167,7 @@ class ABRunner:
                "--decode-batch-size", str(b.decode_batch_size),
                "--prefill-batch-size", str(b.prefill_batch_size),
                "--prefill-step-size", str(b.prefill_step_size),
+               *cache_limit_flag(b),
                "--prompts-file", str(prompts_file), "--json", str(out)]
         with open(self.workdir / "engine.log", "ab") as log:
             subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
@@ -271,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-time-limit", type=float, default=120.0, help="seconds per run")
     p.add_argument("--health-probe", type=float, default=0.2, help="seconds; 0 disables")
     p.add_argument("--targets", default=f"{ENGINE},{OURS},{MLX_LM}")
+    p.add_argument("--mlx-cache-limit-bytes", type=int, default=None,
+                   help="cap MLX's buffer cache in the engine harness and mlx_serve "
+                        "(needed when the device's memory is shared, e.g. a large model)")
     p.add_argument("--settle", type=float, default=0.0,
                    help="seconds of quiet before every measured run (same for all)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
@@ -291,7 +296,7 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
         output_tokens=args.output_tokens, requests_per_stream=args.requests_per_stream,
         min_requests=args.min_requests,
         batch=BatchConfig(args.decode_batch_size, args.prefill_batch_size,
-                          args.prefill_step_size),
+                          args.prefill_step_size, args.mlx_cache_limit_bytes),
         api=args.api, stream=args.stream, run_time_limit=args.run_time_limit,
         health_probe=args.health_probe or None, targets=tuple(args.targets.split(",")),
         blas=args.blas, rate=args.rate, settle=args.settle)

@@ -159,9 +159,14 @@ def _arrival_times(workload: Workload) -> list[float]:
 
 def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
                      prompts: list[str], warmup_prompts: list[str],
-                     detokenize: bool = True) -> dict[str, Any]:
+                     detokenize: bool = True, cache_limit_bytes: int | None = None
+                     ) -> dict[str, Any]:
     """Load the model, warm up, run the workload; return the loadgen-shaped result."""
+    import mlx.core as mx
     from mlx_lm import load
+
+    if cache_limit_bytes is not None:  # as mlx_serve's --mlx-cache-limit-bytes
+        mx.set_cache_limit(cache_limit_bytes)
 
     model, tokenizer = load(model_path)[:2]
     harness = EngineHarness(model, tokenizer, batch, detokenize)
@@ -194,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--prompts-file", default=None,
                    help='JSON {"prompts": [...], "warmup": [...]} (overrides --seed)')
+    p.add_argument("--mlx-cache-limit-bytes", type=int, default=None,
+                   help="cap MLX's buffer cache (as mlx_serve's flag of that name)")
     p.add_argument("--json", default=None, help="write the result here")
     return p
 
@@ -217,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     batch = BatchSettings(args.decode_batch_size, args.prefill_batch_size,
                           args.prefill_step_size)
     prompts, warmup = _prompts(args)
-    result = run_engine_limit(args.model, workload, batch, prompts, warmup, args.detokenize)
+    result = run_engine_limit(args.model, workload, batch, prompts, warmup, args.detokenize,
+                              args.mlx_cache_limit_bytes)
     return report_run(result, f"engine {args.model} {workload.as_dict()}", args.json)
 
 

@@ -27,6 +27,9 @@ class BatchConfig:
     decode_batch_size: int = 64
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
+    # MLX's buffer cache cap for the engine harness and mlx_serve (mlx_lm.server has
+    # none): MLX sizes its cache to the whole device, which co-located processes share.
+    mlx_cache_limit_bytes: int | None = None
 
 
 def free_port() -> int:
@@ -62,7 +65,13 @@ def mlx_serve_command(model: str, port: int, batch: BatchConfig) -> list[str]:
             "--port", str(port), "--decode-batch-size", str(batch.decode_batch_size),
             "--prefill-batch-size", str(batch.prefill_batch_size),
             "--prefill-step-size", str(batch.prefill_step_size),
-            "--max-queue", "4096", "--log-level", "warning"]
+            "--max-queue", "4096", "--log-level", "warning",
+            *cache_limit_flag(batch)]
+
+
+def cache_limit_flag(batch: BatchConfig) -> list[str]:
+    limit = batch.mlx_cache_limit_bytes
+    return [] if limit is None else ["--mlx-cache-limit-bytes", str(limit)]
 
 
 def mlx_lm_command(model: str, port: int, batch: BatchConfig) -> list[str]:
