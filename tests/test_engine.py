@@ -89,6 +89,27 @@ async def test_queued_request_whose_client_left_is_never_run(tiny_model_dir):
         assert engine.statistics().steps <= 5
 
 
+async def test_request_arriving_during_a_step_joins_the_step_queued_behind_it(tiny_model_dir):
+    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang") as engine:
+        first_prompt, second_prompt = prompts(engine, 2)
+        first = engine.submit(make_request(first_prompt, max_tokens=6))
+        with anyio.fail_after(10):
+            while not engine.failpoints.wait_hanging("engine.step", timeout=0):
+                await anyio.sleep(0.005)
+        second = engine.submit(make_request(second_prompt, max_tokens=6))
+        # The running step hangs; the actor still takes the newcomer from the inbox and
+        # hands it to the queued step (before this, it stayed queued until the hung
+        # step returned, then waited for the queued step too).
+        try:
+            await wait_until(lambda: engine.statistics().waiting == 0
+                             and engine.statistics().running == 2)
+        finally:
+            engine.failpoints.release()  # a failed wait must not leave the step hung
+        results = [await drain(first), await drain(second)]
+        assert [r.tokens for r in results] == [6, 6]
+        assert results[1].text == (await generate(engine, second_prompt, max_tokens=6)).text
+
+
 async def test_full_inbox_answers_at_once(tiny_model_dir):
     config = EngineConfig(max_running=1, max_queue=2)
     async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -46,17 +46,39 @@ __all__ = ["ALIVE_STATES", "Engine", "EngineConfig", "EngineState", "EngineStati
            "RequestHandle"]
 
 
-@dataclass
 class _Step:
-    """A step submitted to the MLX thread."""
+    """A step submitted to the MLX thread.
 
-    in_step: frozenset[str]  # the requests taking part, for blame if it fails
-    future: asyncio.Future[StepOutcome] = field(init=False)
-    started: float | None = None  # set on the MLX thread when the step begins
-    def run(self, runner: Any, admissions: list[GenerationRequest],
-            cancellations: list[str]) -> StepOutcome:
-        self.started = time.monotonic()
-        return runner.step(admissions, cancellations)
+    Until the MLX thread begins it, the actor may add admissions (requests that arrived
+    while the step waited in the queue): a newcomer then joins the very next step
+    instead of the one after it.
+    """
+
+    __slots__ = ("in_step", "admissions", "cancellations", "future", "started", "_lock")
+
+    def __init__(self, in_step: set[str], admissions: list[GenerationRequest],
+                 cancellations: list[str]) -> None:
+        self.in_step = in_step  # the requests taking part, for blame if it fails
+        self.admissions = admissions
+        self.cancellations = cancellations
+        self.future: asyncio.Future[StepOutcome] | None = None
+        self.started: float | None = None  # set on the MLX thread when the step begins
+        self._lock = threading.Lock()
+
+    def run(self, runner: Any) -> StepOutcome:
+        with self._lock:
+            self.started = time.monotonic()
+            admissions = list(self.admissions)
+        return runner.step(admissions, self.cancellations)
+
+    def add_admissions(self, requests: list[GenerationRequest]) -> bool:
+        """Add requests to a step that has not begun; False if it has."""
+        with self._lock:
+            if self.started is not None:
+                return False
+            self.admissions.extend(requests)
+            self.in_step.update(r.request_id for r in requests)
+            return True
 
 
 class _EngineFailed(Exception):
@@ -126,6 +148,7 @@ class Engine:
         self.runner: Any = None
         self._aborted = False
         self._abort_signal: asyncio.Future[None] | None = None
+        self._arrival: asyncio.Future[None] | None = None  # set by submit() while waited on
         self.ready = anyio.Event()
         self.finished = anyio.Event()
 
@@ -145,6 +168,8 @@ class Engine:
         try:
             for request in requests:
                 self._inbox_send.send_nowait(_Open(request, reply))
+            if self._arrival is not None and not self._arrival.done():
+                self._arrival.set_result(None)  # the actor may add it to a queued step
         except anyio.WouldBlock:
             handle.close()  # any already queued sibling is dropped as "client gone"
             raise OverloadedError("the server is at capacity; retry shortly") from None
@@ -213,7 +238,7 @@ class Engine:
                     # loop, which meanwhile fans out deltas and writes to clients.
                     inflight.append(self._launch_step())
                 step = inflight.popleft()
-                outcome = await self._await_step(step)
+                outcome = await self._await_step(step, inflight[0] if inflight else None)
                 if outcome is None:  # wedged or aborted, and dealt with: queued steps are moot
                     inflight.clear()
                     continue
@@ -277,27 +302,36 @@ class Engine:
     def _launch_step(self) -> _Step:
         admissions = self._take_admissions()
         cancellations = self._take_cancellations()
-        step = _Step(self._in_batch(admissions))
-        step.future = asyncio.wrap_future(
-            self._mlx.submit(step.run, self.runner, admissions, cancellations))
+        step = _Step(set(self._in_batch(admissions)), admissions, cancellations)
+        step.future = asyncio.wrap_future(self._mlx.submit(step.run, self.runner))
         return step
+
+    def _admit_late(self, queued: _Step) -> None:
+        """Hand requests that arrived meanwhile to the queued step, if it has not begun."""
+        if not self._can_pipeline():
+            return
+        admissions = self._take_admissions()
+        if admissions and queued.add_admissions(admissions):
+            self._admitted.update(r.request_id for r in admissions)
 
     def _can_pipeline(self) -> bool:
         """Queue a step behind the running one only in plain serving, with work left."""
         return bool(self._open) and self._batch is None and not self._isolation.recovering
 
-    async def _await_step(self, step: _Step) -> StepOutcome | None:
+    async def _await_step(self, step: _Step, queued: _Step | None) -> StepOutcome | None:
         """Wait for a step, never abandoning it; one past its deadline wedges the engine.
 
-        Returns None when the engine wedged or was aborted meanwhile.
+        Requests arriving meanwhile join ``queued`` (the step behind it) while that has
+        not begun. Returns None when the engine wedged or was aborted meanwhile.
         """
         started = step.started or time.monotonic()  # not begun yet: its turn is now
         self._step_started = started
-        remaining = self._config.step_timeout - (time.monotonic() - started)
+        deadline = started + self._config.step_timeout
         outcome: StepOutcome | None = None
+        assert step.future is not None
         try:
             with anyio.CancelScope(shield=True):
-                if await self._done_or_aborted(step.future, max(remaining, 0.0)):
+                if await self._done_or_aborted(step.future, deadline, queued):
                     try:
                         outcome = step.future.result()
                     except Exception as exc:  # a fault outside the runner's own guard
@@ -309,17 +343,30 @@ class Engine:
             self._step_started = None
             self._counts["steps"] += 1
 
-    async def _done_or_aborted(self, future: asyncio.Future[Any], timeout: float | None) -> bool:
-        """Wait for ``future`` up to ``timeout`` or until ``abort()``; True if it is done.
+    async def _done_or_aborted(self, future: asyncio.Future[Any], deadline: float | None,
+                               queued: _Step | None = None) -> bool:
+        """Wait for ``future`` up to ``deadline`` or until ``abort()``; True if it is done.
 
         The MLX thread cannot be interrupted, so an abort leaves the step running there
-        and stops waiting for it: a stuck step can never hold up shutdown.
+        and stops waiting for it: a stuck step can never hold up shutdown. With a
+        ``queued`` step, each arrival in the inbox is handed to it meanwhile.
         """
+        loop = asyncio.get_running_loop()
         if self._abort_signal is None:
-            self._abort_signal = asyncio.get_running_loop().create_future()
-        done, _ = await asyncio.wait((future, self._abort_signal), timeout=timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        return future in done
+            self._abort_signal = loop.create_future()
+        while True:
+            waiting: set[asyncio.Future[Any]] = {future, self._abort_signal}
+            if queued is not None and queued.started is None:
+                self._arrival = loop.create_future()
+                waiting.add(self._arrival)
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            done, _ = await asyncio.wait(waiting, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            self._arrival = None
+            if future in done or self._abort_signal in done or not done:
+                return future in done
+            assert queued is not None
+            self._admit_late(queued)
 
     async def _wedged(self, future: asyncio.Future[StepOutcome]) -> None:
         log.error("a step exceeded %.1f s: engine wedged", self._config.step_timeout)
@@ -335,7 +382,7 @@ class Engine:
         self.runner.forget(self.runner.live_ids())
         self.runner.rebuild()
 
-    async def _handle(self, outcome: StepOutcome, in_step: frozenset[str]) -> None:
+    async def _handle(self, outcome: StepOutcome, in_step: set[str]) -> None:
         for rid, exc in outcome.failed:
             self._finish(rid, Failure(_as_request_error(exc)))
         if outcome.skipped:  # queued behind a failed step: admitted, not stepped
