@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import anyio
 
 from mlx_serve.engine_state import ALIVE_STATES, EngineConfig, EngineState, EngineStatistics
+from mlx_serve.engine_step import EngineStep
 from mlx_serve.errors import (
     EngineDeadError,
     EngineUnavailableError,
@@ -36,6 +36,7 @@ from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent, 
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.recovery import Decision, Isolation
 from mlx_serve.reply_channel import ReplyChannel
+from mlx_serve.request_handle import OpenRequest, RequestHandle
 
 log = logging.getLogger(__name__)
 
@@ -46,84 +47,8 @@ __all__ = ["ALIVE_STATES", "Engine", "EngineConfig", "EngineState", "EngineStati
            "RequestHandle"]
 
 
-class _Step:
-    """A step submitted to the MLX thread.
-
-    Until the MLX thread begins it, the actor may add admissions (requests that arrived
-    while the step waited in the queue): a newcomer then joins the very next step
-    instead of the one after it.
-    """
-
-    __slots__ = ("in_step", "admissions", "cancellations", "future", "started", "_lock")
-
-    def __init__(self, in_step: set[str], admissions: list[GenerationRequest],
-                 cancellations: list[str]) -> None:
-        self.in_step = in_step  # the requests taking part, for blame if it fails
-        self.admissions = admissions
-        self.cancellations = cancellations
-        self.future: asyncio.Future[StepOutcome] | None = None
-        self.started: float | None = None  # set on the MLX thread when the step begins
-        self._lock = threading.Lock()
-
-    def run(self, runner: Any) -> StepOutcome:
-        with self._lock:
-            self.started = time.monotonic()
-            admissions = list(self.admissions)
-        return runner.step(admissions, self.cancellations)
-
-    def add_admissions(self, requests: list[GenerationRequest]) -> bool:
-        """Add requests to a step that has not begun; False if it has."""
-        with self._lock:
-            if self.started is not None:
-                return False
-            self.admissions.extend(requests)
-            self.in_step.update(r.request_id for r in requests)
-            return True
-
-
 class _EngineFailed(Exception):
     """Recovery gave up: the engine cannot step any more."""
-
-
-class RequestHandle:
-    """The route's end of one request: iterate its events; close it when the client goes."""
-
-    def __init__(self, request_id: str, events: ReplyChannel[ReplyEvent]) -> None:
-        self.request_id = request_id
-        self._events = events
-
-    async def peek(self) -> ReplyEvent | None:
-        """Wait for the first event without consuming it (None: the stream ended)."""
-        return await self._events.peek()
-
-    def __aiter__(self) -> AsyncIterator[ReplyEvent]:
-        return self._events
-
-    def take_ready(self) -> list[ReplyEvent]:
-        """The events already queued, without waiting (to write them out together)."""
-        return self._events.take_ready()
-
-    async def __aenter__(self) -> RequestHandle:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Closing tells the actor the client is gone; it drops the request next step."""
-        self._events.close()
-
-
-class _Open:
-    __slots__ = ("request", "reply")
-
-    def __init__(self, request: GenerationRequest, reply: ReplyChannel[ReplyEvent]):
-        self.request = request
-        self.reply = reply
-
-    @property
-    def client_gone(self) -> bool:
-        return self.reply.consumer_gone
 
 
 class Engine:
@@ -133,12 +58,12 @@ class Engine:
         self._load = load
         self._config = config
         self._mlx = mlx
-        self._inbox_send, self._inbox = anyio.create_memory_object_stream[_Open](
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[OpenRequest](
             config.max_queue
         )
         self._state = EngineState.LOADING
         self._error: str | None = None
-        self._open: dict[str, _Open] = {}
+        self._open: dict[str, OpenRequest] = {}
         self._admitted: set[str] = set()  # open requests the runner has been given
         self._batch: frozenset[str] | None = None  # None: every open request is in it
         self._isolation = Isolation(config.max_failed_rebuilds, config.max_request_failures)
@@ -167,7 +92,7 @@ class Engine:
         handle = RequestHandle(requests[0].request_id, reply)
         try:
             for request in requests:
-                self._inbox_send.send_nowait(_Open(request, reply))
+                self._inbox_send.send_nowait(OpenRequest(request, reply))
             if self._arrival is not None and not self._arrival.done():
                 self._arrival.set_result(None)  # the actor may add it to a queued step
         except anyio.WouldBlock:
@@ -226,7 +151,7 @@ class Engine:
             if not self._draining:
                 self._state = EngineState.READY
             self.ready.set()
-            inflight: deque[_Step] = deque()
+            inflight: deque[EngineStep] = deque()
             while not self._aborted:
                 if not inflight:
                     if not await self._wait_for_work():
@@ -266,7 +191,7 @@ class Engine:
                 return False
         return True
 
-    def _open_request(self, entry: _Open) -> None:
+    def _open_request(self, entry: OpenRequest) -> None:
         if entry.client_gone:
             entry.reply.close_producer()
         elif self._draining:
@@ -299,14 +224,14 @@ class Engine:
             return self._batch & self._open.keys()
         return frozenset(self._open)
 
-    def _launch_step(self) -> _Step:
+    def _launch_step(self) -> EngineStep:
         admissions = self._take_admissions()
         cancellations = self._take_cancellations()
-        step = _Step(set(self._in_batch(admissions)), admissions, cancellations)
+        step = EngineStep(set(self._in_batch(admissions)), admissions, cancellations)
         step.future = asyncio.wrap_future(self._mlx.submit(step.run, self.runner))
         return step
 
-    def _admit_late(self, queued: _Step) -> None:
+    def _admit_late(self, queued: EngineStep) -> None:
         """Hand requests that arrived meanwhile to the queued step, if it has not begun."""
         if not self._can_pipeline():
             return
@@ -318,7 +243,7 @@ class Engine:
         """Queue a step behind the running one only in plain serving, with work left."""
         return bool(self._open) and self._batch is None and not self._isolation.recovering
 
-    async def _await_step(self, step: _Step, queued: _Step | None) -> StepOutcome | None:
+    async def _await_step(self, step: EngineStep, queued: EngineStep | None) -> StepOutcome | None:
         """Wait for a step, never abandoning it; one past its deadline wedges the engine.
 
         Requests arriving meanwhile join ``queued`` (the step behind it) while that has
@@ -344,7 +269,7 @@ class Engine:
             self._counts["steps"] += 1
 
     async def _done_or_aborted(self, future: asyncio.Future[Any], deadline: float | None,
-                               queued: _Step | None = None) -> bool:
+                               queued: EngineStep | None = None) -> bool:
         """Wait for ``future`` up to ``deadline`` or until ``abort()``; True if it is done.
 
         The MLX thread cannot be interrupted, so an abort leaves the step running there
@@ -451,7 +376,7 @@ class Engine:
         return EngineUnavailableError(f"the server is {self._state.value}; retry later")
 
 
-def _answer(entry: _Open, event: ReplyEvent) -> None:
+def _answer(entry: OpenRequest, event: ReplyEvent) -> None:
     """Send a terminal event and close the reply stream; a departed client is fine."""
     if isinstance(event, Failure) and event.index != entry.request.index:
         event = Failure(event.error, entry.request.index)
