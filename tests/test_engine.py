@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import mlx.core as mx
 import pytest
 
 from mlx_serve.engine import EngineConfig, EngineState
@@ -173,3 +174,21 @@ async def test_abort_ends_in_flight_requests_with_a_terminal_error(tiny_model_di
         result = await drain(handle)
         assert isinstance(result.error, EngineDeadError)
         assert result.tokens < 999  # ended long before its max_tokens
+
+
+async def test_memory_figures_are_read_without_calling_into_mlx(tiny_model_dir, monkeypatch):
+    async with running_engine(tiny_model_dir) as engine:
+        (prompt,) = prompts(engine, 1)
+        await generate(engine, prompt, max_tokens=4)  # idle again: no step is running
+
+        def off_the_mlx_thread() -> int:
+            raise AssertionError("MLX's allocator was called from the event loop")
+
+        # /health reads these figures; MLX's allocator lock may be held by a step.
+        for name in ("get_active_memory", "get_cache_memory", "get_peak_memory"):
+            monkeypatch.setattr(mx, name, off_the_mlx_thread)
+        memory = engine.runner.memory()
+        assert memory["active_bytes"] > 0  # the weights, sampled on the MLX thread
+        assert memory["peak_bytes"] >= memory["active_bytes"]
+        assert set(memory) == {"active_bytes", "cache_bytes", "peak_bytes",
+                               "prefix_cache_bytes"}

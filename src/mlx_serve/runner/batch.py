@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,9 @@ from mlx_serve.runner.text import TextPipeline
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT_LENGTH = 4096
+
+# MLX's memory counters are read on the MLX thread at most this often while it steps.
+MEMORY_SAMPLE_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,9 @@ class Runner:
         # Choices of one prompt wait for its first sequence's prefill, then reuse its KV.
         self._waiting_for_prefill: dict[tuple[int, ...], list[_Live]] = {}
         self._batch = self._new_batch()
+        self._memory: dict[str, int] = {}
+        self._memory_sampled = 0.0
+        self._sample_memory()
 
     # -- the actor's calls -------------------------------------------------------------
 
@@ -123,6 +130,9 @@ class Runner:
             except Exception as exc:  # one request's text fault fails that request only
                 self._remove([live.request.request_id])
                 failed.append((live.request.request_id, exc))
+        # Sampled every so often, and when the batch empties so that idle figures settle.
+        if not self._by_uid or time.monotonic() - self._memory_sampled >= MEMORY_SAMPLE_INTERVAL_S:
+            self._sample_memory()
         return StepOutcome(deltas=tuple(deltas), failed=tuple(failed))
 
     def _take_while_broken(self, admissions: Sequence[GenerationRequest],
@@ -180,10 +190,20 @@ class Runner:
         return list(self._live)
 
     def memory(self) -> dict[str, int]:
-        """MLX's allocator figures in bytes (plain counters: safe from any thread)."""
-        return {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
-                "peak_bytes": mx.get_peak_memory(),
-                "prefix_cache_bytes": self.prefix_cache.nbytes}
+        """MLX's memory figures in bytes, as last sampled on the MLX thread (any thread).
+
+        Never calls into MLX: its allocator takes a lock that a running step may hold
+        (a CUDA allocation can wait for the device), and the binding keeps the
+        interpreter lock while it waits, which would stall the event loop and /health.
+        """
+        return {**self._memory, "prefix_cache_bytes": self.prefix_cache.nbytes}
+
+    def _sample_memory(self) -> None:
+        """Read MLX's allocator counters. Call on the MLX thread."""
+        self._memory = {"active_bytes": mx.get_active_memory(),
+                        "cache_bytes": mx.get_cache_memory(),
+                        "peak_bytes": mx.get_peak_memory()}
+        self._memory_sampled = time.monotonic()
 
     def close(self) -> None:
         self._close_batch()
