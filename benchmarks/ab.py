@@ -215,7 +215,8 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str]) -> dict[str, Any]:
+def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str],
+           rss_warmup: int | None = None) -> dict[str, Any]:
     """The whole A/B (or the memory mode); an interrupt keeps what was measured so far."""
     started = time.monotonic()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -233,7 +234,7 @@ def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str]) -> dict[
             servers = start_servers(config, model_path, workdir, openblas, stack)
             runner = ABRunner(config, model_path, workdir, servers, openblas)
             if rss_requests:
-                report["rss"] = rss_run(servers[OURS], runner, rss_requests)
+                report["rss"] = rss_run(servers[OURS], runner, rss_requests, rss_warmup)
             else:
                 runner.warm_servers()
                 runner.run_all()
@@ -281,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
     p.add_argument("--rss-run", type=int, default=None, metavar="N",
                    help="memory mode: N requests against mlx_serve, RSS drift")
+    p.add_argument("--rss-warmup", type=int, default=None, metavar="N",
+                   help="memory mode: warm-up requests before the first reading "
+                        "(default N/10; enough to fill the prefix cache separates a leak "
+                        "from the cache filling)")
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/)")
     return p
 
@@ -310,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     # and SIGTERM both end the run through the servers' stop.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    report = run_ab(config, args.rss_run, argv)
+    report = run_ab(config, args.rss_run, argv, args.rss_warmup)
     out = Path(args.out) if args.out else RESULTS_DIR / f"ab-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(report, indent=2))
     if "ratios" in report:

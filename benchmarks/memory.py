@@ -37,23 +37,34 @@ async def _measured(server: ServerProcess, target: Target, workload: Workload,
     return result, samples
 
 
-def rss_run(server: ServerProcess, runner: ABRunner, requests: int) -> dict[str, Any]:
-    """Warm up, then ``requests`` requests at the config's largest concurrency."""
+def rss_run(server: ServerProcess, runner: ABRunner, requests: int,
+            warmup: int | None = None) -> dict[str, Any]:
+    """Warm up (``warmup`` requests, default a tenth), then ``requests`` requests at the
+    config's largest concurrency.
+
+    A warm-up long enough to fill the prefix cache's budget separates a leak from the
+    cache growing towards its bound; /health's ``memory`` is recorded before and after.
+    """
     cfg = runner.config
     conc = max(cfg.concurrencies)
     target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout)
-    warm = Workload(cfg.prompt_tokens, cfg.output_tokens, max(conc, requests // 10), conc,
+    warm_requests = max(conc, requests // 10 if warmup is None else warmup)
+    warm = Workload(cfg.prompt_tokens, cfg.output_tokens, warm_requests, conc,
                     cfg.seed + 7, None, cfg.run_time_limit * 10)
     run_async(run_load(target, warm, runner.prompts(warm)[0]))
+    health_before = server.health()
     before = rss_bytes(server.pid)
     workload = Workload(cfg.prompt_tokens, cfg.output_tokens, requests, conc, cfg.seed + 8,
                         None, cfg.run_time_limit * 10)
     result, samples = run_async(_measured(server, target, workload,
                                             runner.prompts(workload)[0]))
     after = rss_bytes(server.pid)
+    health_after = server.health()
     mib = 1024 * 1024
     report = {
-        "requests": requests, "concurrency": conc,
+        "requests": requests, "warmup_requests": warm_requests, "concurrency": conc,
+        "memory_before": (health_before or {}).get("memory"),
+        "memory_after": (health_after or {}).get("memory"),
         "completed": result["summary"]["completed"], "failed": result["summary"]["failed"],
         "rss_before_mib": round(before / mib, 1), "rss_after_mib": round(after / mib, 1),
         "rss_max_mib": round(max(samples, default=after) / mib, 1),
