@@ -67,6 +67,7 @@ class ABConfig:
     blas: str = "auto"  # auto: OpenBLAS for all three when installed (mlx_serve's default)
     rate: float | None = None  # open loop (Poisson arrivals); concurrency is then the cap
     settle: float = 0.0  # seconds of quiet before every measured run
+    isolate: bool = False  # start each server for its own run only: one MLX process at a time
 
     def workload(self, concurrency: int, seed: int) -> Workload:
         n = max(self.min_requests, self.requests_per_stream * concurrency)
@@ -142,11 +143,26 @@ class ABRunner:
                 warmup: list[str]) -> dict[str, Any]:
         if name == ENGINE:
             return self.run_engine(workload, prompts, warmup)
+        if not self.config.isolate:
+            return self.run_server(self.servers[name], workload, prompts, warmup)
+        # Only this server holds the device during its run: two MLX processes on one GPU
+        # (each sizing its buffer cache to the whole device) disturbed each other by up
+        # to 2x on the H200.
+        with contextlib.ExitStack() as stack:
+            server = start_server(name, self.config, self.model_path, self.workdir,
+                                  self.openblas, stack)
+            server.wait_ready(self.config.startup_timeout)
+            self.warm(name, server)
+            time.sleep(self.config.settle)
+            return self.run_server(server, workload, prompts, warmup)
+
+    def run_server(self, server: ServerProcess, workload: Workload, prompts: list[str],
+                   warmup: list[str]) -> dict[str, Any]:
         cfg = self.config
-        target = Target(self.servers[name].base_url, cfg.api, cfg.stream, None,
-                        cfg.request_timeout, cfg.health_probe)
+        target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout,
+                        cfg.health_probe)
         result = run_async(run_load(target, workload, prompts, tuple(warmup)))
-        result["health_after"] = self.servers[name].health()
+        result["health_after"] = server.health()
         return result
 
     def run_engine(self, workload: Workload, prompts: list[str],
@@ -178,33 +194,44 @@ class ABRunner:
         return json.loads(out.read_text())
 
     def warm_servers(self) -> None:
-        """One burst per server at the largest concurrency, short outputs, own prompts."""
+        for name, server in self.servers.items():
+            self.warm(name, server)
+
+    def warm(self, name: str, server: ServerProcess) -> None:
+        """One burst at the largest concurrency, short outputs, prompts of its own."""
         cfg = self.config
         conc = max(cfg.concurrencies)
         workload = Workload(cfg.prompt_tokens, 8, conc, conc, cfg.seed + 999_999, None, 60.0)
         prompts, _ = self.prompts(workload)
-        for name, server in self.servers.items():
-            target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout)
-            summary = run_async(run_load(target, workload, prompts))["summary"]
-            print(f"warm-up {name}: {summary['completed']} ok, {summary['failed']} failed",
-                  flush=True)
+        target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout)
+        summary = run_async(run_load(target, workload, prompts))["summary"]
+        print(f"warm-up {name}: {summary['completed']} ok, {summary['failed']} failed",
+              flush=True)
+
+
+SERVER_COMMANDS = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
+
+
+def start_server(name: str, config: ABConfig, model_path: str, workdir: Path,
+                 openblas: str | None, stack: contextlib.ExitStack) -> ServerProcess:
+    """Start one server (not waiting for it) and register its stop on ``stack``."""
+    port = free_port()
+    command = SERVER_COMMANDS[name](model_path, port, config.batch)
+    if name == OURS:
+        command.append("--openblas" if openblas else "--no-openblas")
+    server = ServerProcess(name, command, port, workdir / f"{name}-{port}.log",
+                           blas_env(openblas))
+    stack.callback(server.stop)
+    return server
 
 
 def start_servers(config: ABConfig, model_path: str, workdir: Path, openblas: str | None,
                   stack: contextlib.ExitStack) -> dict[str, ServerProcess]:
     """Start the servers the config names, register their stop, wait (bounded) for ready."""
-    commands = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
-    servers = {}
-    for name in config.targets:
-        if name in commands:
-            port = free_port()
-            command = commands[name](model_path, port, config.batch)
-            if name == OURS:
-                command.append("--openblas" if openblas else "--no-openblas")
-            server = ServerProcess(name, command, port, workdir / f"{name}.log",
-                                   blas_env(openblas))
-            stack.callback(server.stop)
-            servers[name] = server
+    if config.isolate:
+        return {}  # each is started for its own runs
+    servers = {name: start_server(name, config, model_path, workdir, openblas, stack)
+               for name in config.targets if name in SERVER_COMMANDS}
     for server in servers.values():
         server.wait_ready(config.startup_timeout)
         print(f"{server.name} ready on {server.base_url} (pid {server.pid})", flush=True)
@@ -224,7 +251,7 @@ def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str],
     model_path = resolve_model_path(config.model, workdir)
     openblas = resolve_blas(config.blas)
     if rss_requests:
-        config = replace(config, targets=(OURS,))
+        config = replace(config, targets=(OURS,), isolate=False)
     report: dict[str, Any] = {"meta": environment.describe(argv, model_path),
                               "config": asdict(config), "openblas": openblas,
                               "workdir": str(workdir)}
@@ -279,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needed when the device's memory is shared, e.g. a large model)")
     p.add_argument("--settle", type=float, default=0.0,
                    help="seconds of quiet before every measured run (same for all)")
+    p.add_argument("--isolate", action="store_true",
+                   help="start each server for its own run only (warmed each time), so one "
+                        "MLX process holds the device at a time")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
     p.add_argument("--rss-run", type=int, default=None, metavar="N",
                    help="memory mode: N requests against mlx_serve, RSS drift")
@@ -304,7 +334,7 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
                           args.prefill_step_size, args.mlx_cache_limit_bytes),
         api=args.api, stream=args.stream, run_time_limit=args.run_time_limit,
         health_probe=args.health_probe or None, targets=tuple(args.targets.split(",")),
-        blas=args.blas, rate=args.rate, settle=args.settle)
+        blas=args.blas, rate=args.rate, settle=args.settle, isolate=args.isolate)
 
 
 def main(argv: list[str] | None = None) -> int:
