@@ -145,9 +145,9 @@ class ABRunner:
             return self.run_engine(workload, prompts, warmup)
         if not self.config.isolate:
             return self.run_server(self.servers[name], workload, prompts, warmup)
-        # Only this server holds the device during its run: two MLX processes on one GPU
-        # (each sizing its buffer cache to the whole device) disturbed each other by up
-        # to 2x on the H200.
+        # Only this server holds the device during its run: with two MLX processes
+        # loaded on one H200 (each sizing its buffer cache to the whole device), the
+        # same server code measured up to 2x apart.
         with contextlib.ExitStack() as stack:
             server = start_server(name, self.config, self.model_path, self.workdir,
                                   self.openblas, stack)
