@@ -48,3 +48,27 @@ def test_variants_parse_and_compare_against_the_first():
     runs = [run(0, "a", 100), run(0, "b", 150), run(1, "a", 200), run(1, "b", 220)]
     table = relative_table(runs, ["a", "b"])
     assert "| 4 | b | 1.30 [1.10-1.50] | 1.00 [1.00-1.00] |" in table
+
+
+def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
+        tiny_model_dir, tmp_path, monkeypatch):
+    import httpx
+
+    from benchmarks import ab
+
+    monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
+    config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(2,), rounds=1,
+                         prompt_tokens=16, output_tokens=8, requests_per_stream=1,
+                         min_requests=2, batch=ab.BatchConfig(8, 8, 512),
+                         run_time_limit=60.0, health_probe=None, blas="reference",
+                         targets=(ab.ENGINE, ab.OURS), isolate=True)
+    report = ab.run_ab(config, None, ["--isolate"])
+    assert "error" not in report
+    runs = {r["target"]: r["result"] for r in report["runs"]}
+    assert set(runs) == {ab.ENGINE, ab.OURS}
+    for result in runs.values():
+        assert (result["summary"]["completed"], result["summary"]["failed"]) == (2, 0)
+    served = runs[ab.OURS]
+    assert served["health_after"]["state"] == "ready"
+    with pytest.raises(httpx.ConnectError):  # stopped once its run was over
+        httpx.get(served["target"]["base_url"] + "/health", timeout=5)
