@@ -4,7 +4,9 @@ Starts one mlx_serve per variant on 127.0.0.1 (same model and batch settings, ea
 its own extra environment variables), warms each with one burst, then for each round
 and concurrency runs every variant on the same fresh prompts, in an order rotated every
 round, and prints each run and, per concurrency, every variant's output tokens/s, TTFT
-p50 and TPOT p50 relative to the first variant (median [min-max] over rounds).
+p50 and TPOT p50 relative to the first variant (median [min-max] over rounds). With
+--isolate each server is started and warmed for its own run only, so one MLX process
+holds the device at a time.
 
     python -m benchmarks.env_ab --model default-f32 --concurrency 1,8 --rounds 2 \\
         --variant OPENBLAS_NUM_THREADS=1 --variant OPENBLAS_NUM_THREADS=2
@@ -51,32 +53,55 @@ def relative_table(runs: list[dict[str, Any]], variants: list[str]) -> str:
     return "\n".join(lines)
 
 
+class _Variants:
+    """Starts, waits for and warms the variants' servers; stops them on ``stack``."""
+
+    def __init__(self, args: argparse.Namespace, model: str, workdir: Path,
+                 openblas: str | None, tokenizer: Any) -> None:
+        self.args, self.model, self.workdir, self.openblas = args, model, workdir, openblas
+        self.tokenizer = tokenizer
+        self.batch = BatchConfig(args.decode_batch_size, args.prefill_batch_size,
+                                 args.prefill_step_size)
+        self.extra = {_name(env): env for env in args.variant}
+        self.started = 0
+
+    def start(self, names: list[str], stack: contextlib.ExitStack) -> dict[str, ServerProcess]:
+        servers = {}
+        for name in names:
+            port = free_port()
+            server = ServerProcess(name, mlx_serve_command(self.model, port, self.batch), port,
+                                   self.workdir / f"server-{self.started}.log",
+                                   {**blas_env(self.openblas), **self.extra[name]})
+            self.started += 1
+            stack.callback(server.stop)
+            servers[name] = server
+        conc_max = max(self.args.concurrency)
+        for i, server in enumerate(servers.values()):
+            server.wait_ready(self.args.startup_timeout)
+            warm = Workload(self.args.prompt_tokens, 8, conc_max, conc_max, 999_999 + i,
+                            None, 60.0)
+            run_async(run_load(Target(server.base_url), warm,
+                               build_prompts(self.tokenizer, conc_max,
+                                             self.args.prompt_tokens, warm.seed)))
+        return servers
+
+
+def _name(env: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in env.items()) or "-"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="env-ab-", dir=RESULTS_DIR))
     model = resolve_model_path(args.model, workdir)
-    openblas = resolve_blas("auto")
     tokenizer = load_tokenizer(model)
-    batch = BatchConfig(args.decode_batch_size, args.prefill_batch_size,
-                        args.prefill_step_size)
-    names = [",".join(f"{k}={v}" for k, v in env.items()) or "-" for env in args.variant]
+    variants = _Variants(args, model, workdir, resolve_blas("auto"), tokenizer)
+    names = [_name(env) for env in args.variant]
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:  # stops every started server, always
-        servers = {}
-        for i, (name, extra) in enumerate(zip(names, args.variant, strict=True)):
-            port = free_port()
-            server = ServerProcess(name, mlx_serve_command(model, port, batch), port,
-                                   workdir / f"server-{i}.log", {**blas_env(openblas), **extra})
-            stack.callback(server.stop)
-            servers[name] = server
-        for server in servers.values():
-            server.wait_ready(args.startup_timeout)
-        conc_max = max(args.concurrency)
-        for i, server in enumerate(servers.values()):
-            warm = Workload(args.prompt_tokens, 8, conc_max, conc_max, 999_999 + i, None, 60.0)
-            run_async(run_load(Target(server.base_url), warm,
-                               build_prompts(tokenizer, conc_max, args.prompt_tokens,
-                                             warm.seed)))
+        # With --isolate each server runs alone, started for its run: one MLX process
+        # holds the device at a time.
+        servers = {} if args.isolate else variants.start(names, stack)
         for rnd in range(args.rounds):
             for conc in args.concurrency:
                 count = max(args.min_requests, args.requests_per_stream * conc)
@@ -84,9 +109,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     1000 * rnd + conc, None, args.run_time_limit)
                 prompts = build_prompts(tokenizer, count, args.prompt_tokens, workload.seed)
                 for name in rotated(tuple(names), rnd):
-                    target = Target(servers[name].base_url, request_timeout=60.0,
-                                    health_probe=args.health_probe or None)
-                    summary = run_async(run_load(target, workload, prompts))["summary"]
+                    with contextlib.ExitStack() as alone:
+                        server = (variants.start([name], alone)[name] if args.isolate
+                                  else servers[name])
+                        target = Target(server.base_url, request_timeout=60.0,
+                                        health_probe=args.health_probe or None)
+                        summary = run_async(run_load(target, workload, prompts))["summary"]
                     runs.append({"round": rnd, "concurrency": conc, "variant": name,
                                  "summary": summary})
                     print(f"round {rnd} c={conc:<4} {name:<32} tok/s "
@@ -118,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-probe", type=float, default=0.0, help="seconds; 0 disables")
     p.add_argument("--run-time-limit", type=float, default=120.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--isolate", action="store_true",
+                   help="start each server for its own run only (one MLX process at a time)")
     p.add_argument("--out", default=None, help="results JSON")
     return p
 
