@@ -72,3 +72,19 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
     assert served["health_after"]["state"] == "ready"
     with pytest.raises(httpx.ConnectError):  # stopped once its run was over
         httpx.get(served["target"]["base_url"] + "/health", timeout=5)
+
+
+def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatch):
+    from benchmarks import env_ab
+
+    monkeypatch.setattr(env_ab, "RESULTS_DIR", tmp_path)
+    args = env_ab.build_parser().parse_args([
+        "--model", str(tiny_model_dir), "--variant", "-",
+        "--variant", "MLX_SERVE_STREAM_INTERVAL=4", "--isolate", "--concurrency", "2",
+        "--rounds", "1", "--prompt-tokens", "16", "--output-tokens", "8",
+        "--min-requests", "2", "--requests-per-stream", "1", "--decode-batch-size", "8",
+        "--run-time-limit", "60"])
+    report = env_ab.run(args)
+    assert [r["variant"] for r in report["runs"]] == ["-", "MLX_SERVE_STREAM_INTERVAL=4"]
+    for r in report["runs"]:
+        assert (r["summary"]["completed"], r["summary"]["failed"]) == (2, 0)
