@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -39,6 +40,29 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git_dirty() -> bool | None:
+    """Whether src/ or benchmarks/ differ from the commit (a copied tree may carry a
+    stale .git: the commit alone would then name code that did not run)."""
+    try:
+        out = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src", "benchmarks"],
+                             capture_output=True, timeout=10, cwd=ROOT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {0: False, 1: True}.get(out.returncode)
+
+
+def source_digest() -> str:
+    """A digest of the server's and the benchmarks' Python sources as they are on disk."""
+    digest = hashlib.sha256()
+    for path in sorted([*ROOT.glob("src/mlx_serve/**/*.py"), *ROOT.glob("benchmarks/*.py")]):
+        digest.update(path.relative_to(ROOT).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _mlx_device() -> str | None:
     try:
         out = subprocess.run([sys.executable, "-c",
@@ -60,4 +84,6 @@ def describe(argv: list[str], model_path: str) -> dict[str, Any]:
         "versions": {p: _version(p) for p in ("mlx", "mlx-lm", "mlx-serve", "uvicorn",
                                               "starlette", "httpx")},
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
+        "source_digest": source_digest(),
     }

@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = report.get("meta", {})
     print(f"{meta.get('date')}  {meta.get('command')}")
     print(f"machine: {meta.get('machine')}")
+    dirty = " plus uncommitted changes" if meta.get("git_dirty") else ""
+    print(f"code: commit {meta.get('git_commit')}{dirty}, sources {meta.get('source_digest')}")
     if args.runs:
         print(format_runs(report["runs"]))
     print(format_ratios(ratios(report["runs"])))
