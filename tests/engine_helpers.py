@@ -65,3 +65,10 @@ def prompts(engine: Engine, count: int) -> list[list[int]]:
     tok = engine.runner.tokenizer
     return [tok.encode(f"Request {i}: tell me about topic {i * 7} " * (1 + i % 3))
             for i in range(count)]
+
+
+async def step_hanging(engine: Engine, timeout: float = 10.0) -> None:
+    """Wait (bounded) until a step hangs at the ``engine.step`` fail point."""
+    hanging = await anyio.to_thread.run_sync(
+        engine.failpoints.wait_hanging, "engine.step", 1, timeout)  # type: ignore[attr-defined]
+    assert hanging, f"no step hung at engine.step within {timeout} s"

@@ -9,7 +9,14 @@ import pytest
 from mlx_serve.engine import EngineConfig, EngineState
 from mlx_serve.errors import EngineDeadError, OverloadedError
 from tests.conftest import running_engine
-from tests.engine_helpers import drain, generate, generate_all, make_request, prompts
+from tests.engine_helpers import (
+    drain,
+    generate,
+    generate_all,
+    make_request,
+    prompts,
+    step_hanging,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -78,9 +85,7 @@ async def test_queued_request_whose_client_left_is_never_run(tiny_model_dir):
     async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
                               decode_batch_size=1) as engine:
         first = engine.submit(make_request(prompts(engine, 1)[0], max_tokens=2))
-        with anyio.fail_after(10):
-            while not engine.failpoints.wait_hanging("engine.step", timeout=0):
-                await anyio.sleep(0.005)
+        await step_hanging(engine)
         queued = engine.submit(make_request(prompts(engine, 1)[0], max_tokens=2))
         queued.close()
         engine.failpoints.release()
@@ -94,9 +99,7 @@ async def test_request_arriving_during_a_step_joins_the_step_queued_behind_it(ti
     async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang") as engine:
         first_prompt, second_prompt = prompts(engine, 2)
         first = engine.submit(make_request(first_prompt, max_tokens=6))
-        with anyio.fail_after(10):
-            while not engine.failpoints.wait_hanging("engine.step", timeout=0):
-                await anyio.sleep(0.005)
+        await step_hanging(engine)
         second = engine.submit(make_request(second_prompt, max_tokens=6))
         # The running step hangs; the actor still takes the newcomer from the inbox and
         # hands it to the queued step (before this, it stayed queued until the hung
@@ -117,9 +120,7 @@ async def test_full_inbox_answers_at_once(tiny_model_dir):
                               config=config, decode_batch_size=1) as engine:
         p = prompts(engine, 1)[0]
         handles = [engine.submit(make_request(p, max_tokens=2))]
-        with anyio.fail_after(10):
-            while not engine.failpoints.wait_hanging("engine.step", timeout=0):
-                await anyio.sleep(0.005)
+        await step_hanging(engine)
         handles += [engine.submit(make_request(p, max_tokens=2)) for _ in range(2)]
         with pytest.raises(OverloadedError) as info:
             engine.submit(make_request(p, max_tokens=2))
@@ -133,9 +134,7 @@ async def test_actor_end_fails_every_open_request_and_refuses_new_ones(tiny_mode
     async with running_engine(tiny_model_dir, failpoints="engine.step=2*off->hang") as engine:
         p = prompts(engine, 1)[0]
         handles = [engine.submit(make_request(p, max_tokens=50)) for _ in range(3)]
-        with anyio.fail_after(10):
-            while not engine.failpoints.wait_hanging("engine.step", timeout=0):
-                await anyio.sleep(0.005)
+        await step_hanging(engine)
         engine.failpoints.release()
         engine.failpoints.set("engine.step", "raise(RuntimeError:boom)")
         results = [await drain(h) for h in handles]

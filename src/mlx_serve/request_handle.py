@@ -40,7 +40,6 @@ class RequestHandle:
 class OpenRequest:
     """The actor's record of one open request: what to run and where to answer."""
 
-
     __slots__ = ("request", "reply")
 
     def __init__(self, request: GenerationRequest, reply: ReplyChannel[ReplyEvent]):
