@@ -49,8 +49,11 @@ async def running_engine(
             tg.start_soon(engine.run)
             with anyio.fail_after(60):
                 await engine.ready.wait()
-            yield engine
-            tg.cancel_scope.cancel()
+            try:
+                yield engine
+            finally:  # as the app's shutdown: a busy actor ends on abort, stuck step or not
+                engine.abort()
+                tg.cancel_scope.cancel()
     finally:
         fp.release()
         mlx.stop(timeout=10)

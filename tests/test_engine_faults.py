@@ -100,6 +100,26 @@ async def test_a_step_past_its_deadline_wedges_then_recovers(tiny_model_dir):
         assert (await generate(engine, prompts(engine, 1)[0], max_tokens=5)).tokens == 5
 
 
+async def test_deadline_holds_for_each_step_however_long_the_engine_has_run(tiny_model_dir):
+    # One timer serves many steps' deadlines: after stepping for longer than the
+    # timeout, healthy steps must not wedge, and a hung one must still be caught.
+    timeout = 0.3
+    async with running_engine(tiny_model_dir, config=EngineConfig(step_timeout=timeout)
+                              ) as engine:
+        prompt = prompts(engine, 1)[0]
+        started = anyio.current_time()
+        with anyio.fail_after(30):
+            while anyio.current_time() - started < 3 * timeout:
+                result = await generate(engine, prompt, max_tokens=16)
+                assert result.error is None and engine.state is EngineState.READY
+        engine.failpoints.set("engine.step", "hang")
+        with anyio.fail_after(10):
+            result = await generate(engine, prompt, max_tokens=16)
+        assert isinstance(result.error, StepTimeoutError)
+        assert engine.state is EngineState.WEDGED
+        engine.failpoints.release()
+
+
 async def test_requests_with_and_without_logits_processors_share_prefill(tiny_model_dir):
     """mlx-lm #1505: one request without and one with penalties finishing prefill in the
     same step used to kill mlx_lm.server's generation thread."""

@@ -37,6 +37,7 @@ from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.recovery import Decision, Isolation
 from mlx_serve.reply_channel import ReplyChannel
 from mlx_serve.request_handle import OpenRequest, RequestHandle
+from mlx_serve.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,10 @@ class Engine:
         self._draining = False
         self.runner: Any = None
         self._aborted = False
-        self._abort_signal: asyncio.Future[None] | None = None
-        self._arrival: asyncio.Future[None] | None = None  # set by submit() while waited on
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: Wakeup | None = None  # made in run(), on the actor's event loop
+        self._wake_on_arrival = False  # a queued step could still take a newcomer
+        self._arrived = False
         self.ready = anyio.Event()
         self.finished = anyio.Event()
 
@@ -93,8 +96,9 @@ class Engine:
         try:
             for request in requests:
                 self._inbox_send.send_nowait(OpenRequest(request, reply))
-            if self._arrival is not None and not self._arrival.done():
-                self._arrival.set_result(None)  # the actor may add it to a queued step
+            if self._wake_on_arrival:  # the actor may add it to the queued step
+                self._arrived = True
+                self._wake()
         except anyio.WouldBlock:
             handle.close()  # any already queued sibling is dropped as "client gone"
             raise OverloadedError("the server is at capacity; retry shortly") from None
@@ -141,33 +145,23 @@ class Engine:
         MLX thread is left behind, not waited for.
         """
         self._aborted = True
-        if self._abort_signal is not None and not self._abort_signal.done():
-            self._abort_signal.set_result(None)
+        self._wake()
         self.begin_drain()
 
     async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = Wakeup(self._loop)
         try:
             self.runner = await self._mlx.call(self._load)
             if not self._draining:
                 self._state = EngineState.READY
             self.ready.set()
-            inflight: deque[EngineStep] = deque()
-            while not self._aborted:
-                if not inflight:
-                    if not await self._wait_for_work():
-                        break
-                    inflight.append(self._launch_step())
-                if len(inflight) < PIPELINE_DEPTH and self._can_pipeline():
-                    # The next step waits in the MLX thread's queue while this one runs:
-                    # the thread goes from step to step without waiting for the event
-                    # loop, which meanwhile fans out deltas and writes to clients.
-                    inflight.append(self._launch_step())
-                step = inflight.popleft()
-                outcome = await self._await_step(step, inflight[0] if inflight else None)
-                if outcome is None:  # wedged or aborted, and dealt with: queued steps are moot
-                    inflight.clear()
-                    continue
-                await self._handle(outcome, step.in_step)
+            while not self._aborted and await self._wait_for_work():
+                # A cancellation waits for the batch to go idle: a step is never
+                # abandoned on the MLX thread while requests depend on it (abort() is
+                # how to stop a busy actor).
+                with anyio.CancelScope(shield=True):
+                    await self._step_until_idle()
         except _EngineFailed as exc:
             log.critical("the generation engine failed for good: %s", exc)
             self._state, self._error = EngineState.FAILED, str(exc)
@@ -176,6 +170,7 @@ class Engine:
             self._state, self._error = EngineState.FAILED, f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            self._wakeup.close()
             if self._state not in (EngineState.FAILED, EngineState.WEDGED):
                 self._state = EngineState.STOPPED
             self._fail_all(EngineDeadError(f"the generation engine has {self._state.value}"))
@@ -190,6 +185,25 @@ class Engine:
             except anyio.EndOfStream:
                 return False
         return True
+
+    async def _step_until_idle(self) -> None:
+        """Step, pipelined, until no request is open (or the actor is aborted)."""
+        inflight: deque[EngineStep] = deque()
+        while not self._aborted:
+            if not inflight:
+                if not self._open:
+                    return
+                inflight.append(self._launch_step())
+            if len(inflight) < PIPELINE_DEPTH and self._can_pipeline():
+                # The next step waits in the MLX thread's queue while this one runs: the
+                # thread goes from step to step without waiting for the event loop,
+                # which meanwhile fans out deltas and writes to clients.
+                inflight.append(self._launch_step())
+            step = inflight.popleft()
+            outcome = await self._await_step(step, inflight[0] if inflight else None)
+            if outcome is None:  # wedged or aborted, and dealt with: queued steps are moot
+                return
+            await self._handle(outcome, step.in_step)
 
     def _open_request(self, entry: OpenRequest) -> None:
         if entry.client_gone:
@@ -228,8 +242,13 @@ class Engine:
         admissions = self._take_admissions()
         cancellations = self._take_cancellations()
         step = EngineStep(set(self._in_batch(admissions)), admissions, cancellations)
-        step.future = asyncio.wrap_future(self._mlx.submit(step.run, self.runner))
+        self._mlx.post(step.run_and_report, self.runner, self._loop, self._step_done)
         return step
+
+    def _step_done(self, step: EngineStep, outcome: StepOutcome) -> None:
+        """On the event loop: a step's outcome is in."""
+        step.outcome = outcome
+        self._wake()
 
     def _admit_late(self, queued: EngineStep) -> None:
         """Hand requests that arrived meanwhile to the queued step, if it has not begun."""
@@ -251,53 +270,48 @@ class Engine:
         """
         started = step.started or time.monotonic()  # not begun yet: its turn is now
         self._step_started = started
-        deadline = started + self._config.step_timeout
-        outcome: StepOutcome | None = None
-        assert step.future is not None
         try:
-            with anyio.CancelScope(shield=True):
-                if await self._done_or_aborted(step.future, deadline, queued):
-                    try:
-                        outcome = step.future.result()
-                    except Exception as exc:  # a fault outside the runner's own guard
-                        outcome = StepOutcome(error=exc)
-                elif not self._aborted:
-                    await self._wedged(step.future)
-            return outcome
+            if await self._done_or_aborted(step, started + self._config.step_timeout, queued):
+                return step.outcome
+            if not self._aborted:
+                await self._wedged(step)
+            return None
         finally:
             self._step_started = None
             self._counts["steps"] += 1
 
-    async def _done_or_aborted(self, future: asyncio.Future[Any], deadline: float | None,
+    async def _done_or_aborted(self, step: EngineStep, deadline: float | None,
                                queued: EngineStep | None = None) -> bool:
-        """Wait for ``future`` up to ``deadline`` or until ``abort()``; True if it is done.
+        """Wait for ``step`` up to ``deadline`` or until ``abort()``; True if it is done.
 
         The MLX thread cannot be interrupted, so an abort leaves the step running there
         and stops waiting for it: a stuck step can never hold up shutdown. With a
         ``queued`` step, each arrival in the inbox is handed to it meanwhile.
         """
-        loop = asyncio.get_running_loop()
-        if self._abort_signal is None:
-            self._abort_signal = loop.create_future()
+        assert self._wakeup is not None
         while True:
-            waiting: set[asyncio.Future[Any]] = {future, self._abort_signal}
-            if queued is not None and queued.started is None:
-                self._arrival = loop.create_future()
-                waiting.add(self._arrival)
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            done, _ = await asyncio.wait(waiting, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            self._arrival = None
-            if future in done or self._abort_signal in done or not done:
-                return future in done
-            assert queued is not None
-            self._admit_late(queued)
+            if self._arrived and queued is not None:
+                self._admit_late(queued)  # too late for it if it has begun; then the next
+            self._arrived = False
+            if step.outcome is not None:
+                return True
+            if self._aborted or (deadline is not None and time.monotonic() >= deadline):
+                return False
+            self._wake_on_arrival = queued is not None and queued.started is None
+            try:
+                await self._wakeup.sleep(deadline)
+            finally:
+                self._wake_on_arrival = False
 
-    async def _wedged(self, future: asyncio.Future[StepOutcome]) -> None:
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.wake()
+
+    async def _wedged(self, step: EngineStep) -> None:
         log.error("a step exceeded %.1f s: engine wedged", self._config.step_timeout)
         previous, self._state = self._state, EngineState.WEDGED
         self._fail_all(StepTimeoutError("the generation step timed out; the engine is wedged"))
-        if not await self._done_or_aborted(future, None):
+        if not await self._done_or_aborted(step, None):
             return  # aborted while wedged: the actor ends without the step
         await self._mlx.call(self._rebuild_empty)
         self._state = EngineState.DRAINING if self._draining else previous

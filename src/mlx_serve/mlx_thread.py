@@ -2,17 +2,21 @@
 
 MLX streams are thread-local: an array built lazily on one thread cannot be evaluated on
 another, and ``anyio.to_thread`` does not pin a thread. So model load, batch steps and
-recovery all run here, one job at a time, and the event loop awaits their futures.
+recovery all run here, one job at a time. The event loop awaits the futures of
+``call``; a batch step, posted without one, reports its outcome to the loop itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -30,6 +34,14 @@ class MLXThread:
         self._jobs.put((future, fn, args))
         return future
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn`` with no future: it reports its own result (the per-step path).
+
+        A concurrent ``Future`` costs a lock, a condition and a chained asyncio future per
+        job; a batch step reports straight to the event loop instead (see EngineStep).
+        """
+        self._jobs.put((None, fn, args))
+
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the MLX thread. Cancelling the await does not stop the job."""
         return await asyncio.shield(asyncio.wrap_future(self.submit(fn, *args)))
@@ -45,9 +57,19 @@ class MLXThread:
             if job is _STOP:
                 return
             future, fn, args = job
+            if future is None:
+                self._run_posted(fn, args)
+                continue
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to the awaiting actor, never lost
                 future.set_exception(exc)
+
+    @staticmethod
+    def _run_posted(fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException:  # a posted job reports its own faults; this one escaped
+            log.exception("a job on the MLX thread failed")
