@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import environment
-from benchmarks.loadgen import Target, run_async, run_load
+from benchmarks.loadgen import Target, run_async, run_load, warm_up
 from benchmarks.memory import rss_run
 from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
 from benchmarks.servers import (
@@ -37,9 +37,9 @@ from benchmarks.servers import (
     blas_env,
     cache_limit_flag,
     find_openblas,
-    free_port,
     mlx_lm_command,
     mlx_serve_command,
+    spawn,
 )
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
@@ -200,11 +200,9 @@ class ABRunner:
     def warm(self, name: str, server: ServerProcess) -> None:
         """One burst at the largest concurrency, short outputs, prompts of its own."""
         cfg = self.config
-        conc = max(cfg.concurrencies)
-        workload = Workload(cfg.prompt_tokens, 8, conc, conc, cfg.seed + 999_999, None, 60.0)
-        prompts, _ = self.prompts(workload)
         target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout)
-        summary = run_async(run_load(target, workload, prompts))["summary"]
+        summary = warm_up(target, self.tokenizer, cfg.prompt_tokens, max(cfg.concurrencies),
+                          cfg.seed + 999_999)
         print(f"warm-up {name}: {summary['completed']} ok, {summary['failed']} failed",
               flush=True)
 
@@ -215,14 +213,14 @@ SERVER_COMMANDS = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
 def start_server(name: str, config: ABConfig, model_path: str, workdir: Path,
                  openblas: str | None, stack: contextlib.ExitStack) -> ServerProcess:
     """Start one server (not waiting for it) and register its stop on ``stack``."""
-    port = free_port()
-    command = SERVER_COMMANDS[name](model_path, port, config.batch)
-    if name == OURS:
-        command.append("--openblas" if openblas else "--no-openblas")
-    server = ServerProcess(name, command, port, workdir / f"{name}-{port}.log",
-                           blas_env(openblas))
-    stack.callback(server.stop)
-    return server
+
+    def command(port: int) -> list[str]:
+        argv = SERVER_COMMANDS[name](model_path, port, config.batch)
+        if name == OURS:
+            argv.append("--openblas" if openblas else "--no-openblas")
+        return argv
+
+    return spawn(name, command, workdir, blas_env(openblas), stack)
 
 
 def start_servers(config: ABConfig, model_path: str, workdir: Path, openblas: str | None,

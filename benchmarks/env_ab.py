@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.ab import RESULTS_DIR, resolve_blas, resolve_model_path, rotated
-from benchmarks.loadgen import Target, run_async, run_load
+from benchmarks.loadgen import Target, run_async, run_load, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
-from benchmarks.servers import BatchConfig, ServerProcess, blas_env, free_port, mlx_serve_command
+from benchmarks.servers import BatchConfig, ServerProcess, blas_env, mlx_serve_command, spawn
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 SHOWN = ("output tok/s", "TTFT p50", "TPOT p50")  # of report.METRICS
@@ -68,21 +68,15 @@ class _Variants:
     def start(self, names: list[str], stack: contextlib.ExitStack) -> dict[str, ServerProcess]:
         servers = {}
         for name in names:
-            port = free_port()
-            server = ServerProcess(name, mlx_serve_command(self.model, port, self.batch), port,
-                                   self.workdir / f"server-{self.started}.log",
-                                   {**blas_env(self.openblas), **self.extra[name]})
             self.started += 1
-            stack.callback(server.stop)
-            servers[name] = server
-        conc_max = max(self.args.concurrency)
+            servers[name] = spawn(
+                f"variant-{self.started}",
+                lambda port: mlx_serve_command(self.model, port, self.batch), self.workdir,
+                {**blas_env(self.openblas), **self.extra[name]}, stack)
         for i, server in enumerate(servers.values()):
             server.wait_ready(self.args.startup_timeout)
-            warm = Workload(self.args.prompt_tokens, 8, conc_max, conc_max, 999_999 + i,
-                            None, 60.0)
-            run_async(run_load(Target(server.base_url), warm,
-                               build_prompts(self.tokenizer, conc_max,
-                                             self.args.prompt_tokens, warm.seed)))
+            warm_up(Target(server.base_url), self.tokenizer, self.args.prompt_tokens,
+                    max(self.args.concurrency), 999_999 + i)
         return servers
 
 

@@ -248,6 +248,15 @@ async def run_load(target: Target, workload: Workload, prompts: list[str],
     return {"target": asdict(target), "workload": workload.as_dict(), "summary": summary}
 
 
+def warm_up(target: Target, tokenizer: Any, prompt_tokens: int, concurrency: int,
+            seed: int) -> dict[str, Any]:
+    """One unmeasured burst: ``concurrency`` requests at once, 8 output tokens each,
+    prompts of its own (seeded apart from any measured run's)."""
+    workload = Workload(prompt_tokens, 8, concurrency, concurrency, seed, None, 60.0)
+    prompts = build_prompts(tokenizer, concurrency, prompt_tokens, seed)
+    return run_async(run_load(target, workload, prompts))["summary"]
+
+
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """Run a load on uvloop where installed: the client's per-chunk cost drops."""
     return uvloop.run(coro) if uvloop is not None else asyncio.run(coro)

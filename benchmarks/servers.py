@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,12 @@ def rss_bytes(pid: int) -> int:
                     return int(line.split()[1]) * 1024
         raise RuntimeError(f"no VmRSS for pid {pid}") from None
     return int(psutil.Process(pid).memory_info().rss)
+
+
+def spawn(name: str, command: Callable[[int], list[str]], log_dir: Path,
+          env: dict[str, str], stack: contextlib.ExitStack) -> ServerProcess:
+    """Start a server on a free port (``command(port)``), its stop registered on ``stack``."""
+    port = free_port()
+    server = ServerProcess(name, command(port), port, log_dir / f"{name}-{port}.log", env)
+    stack.callback(server.stop)
+    return server
