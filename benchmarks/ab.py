@@ -30,6 +30,7 @@ from typing import Any
 from benchmarks import environment
 from benchmarks.loadgen import Target, run_async, run_load, warm_up
 from benchmarks.memory import rss_run
+from benchmarks.metrics import cpu_per_token
 from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
 from benchmarks.servers import (
     BatchConfig,
@@ -161,7 +162,9 @@ class ABRunner:
         cfg = self.config
         target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout,
                         cfg.health_probe)
+        cpu_start = server.cpu_seconds()
         result = run_async(run_load(target, workload, prompts, tuple(warmup)))
+        cpu_per_token(result["summary"], server.cpu_seconds() - cpu_start)
         result["health_after"] = server.health()
         return result
 

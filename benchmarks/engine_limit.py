@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.metrics import RequestRecord, report_run, summarize
+from benchmarks.metrics import RequestRecord, cpu_per_token, report_run, summarize
 from benchmarks.workload import Workload, build_prompts
 
 
@@ -174,7 +174,9 @@ def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
     if warmup_prompts:
         warm = Workload(workload.prompt_tokens, workload.output_tokens, len(warmup_prompts), 1)
         harness.run([list(tokenizer.encode(p)) for p in warmup_prompts], warm)
+    cpu_start = time.process_time()
     summary = harness.run(encode, workload)
+    cpu_per_token(summary, time.process_time() - cpu_start)
     summary["prompt_tokens"] = sum(len(p) for p in encode[:summary["completed"]])
     target = {"engine": "mlx_lm BatchGenerator", "model": model_path,
               "detokenize": detokenize, **batch.__dict__}

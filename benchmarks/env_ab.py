@@ -25,11 +25,12 @@ from typing import Any
 
 from benchmarks.ab import RESULTS_DIR, resolve_blas, resolve_model_path, rotated
 from benchmarks.loadgen import Target, run_async, run_load, warm_up
+from benchmarks.metrics import cpu_per_token
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import BatchConfig, ServerProcess, blas_env, mlx_serve_command, spawn
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
-SHOWN = ("output tok/s", "TTFT p50", "TPOT p50")  # of report.METRICS
+SHOWN = ("output tok/s", "TTFT p50", "TPOT p50", "CPU ms/token")  # of report.METRICS
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -108,7 +109,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   else servers[name])
                         target = Target(server.base_url, request_timeout=60.0,
                                         health_probe=args.health_probe or None)
+                        cpu_start = server.cpu_seconds()
                         summary = run_async(run_load(target, workload, prompts))["summary"]
+                        cpu_per_token(summary, server.cpu_seconds() - cpu_start)
                     runs.append({"round": rnd, "concurrency": conc, "variant": name,
                                  "summary": summary})
                     print(f"round {rnd} c={conc:<4} {name:<32} tok/s "

@@ -55,6 +55,17 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return out
 
 
+def cpu_per_token(summary: dict[str, Any], cpu_seconds: float) -> None:
+    """Record a contender's CPU time over the run, in ms per output token.
+
+    Far steadier than throughput on a shared machine: it counts the work done, not how
+    the scheduler spread it, so it shows one server's overhead next to another's.
+    """
+    summary["cpu_s"] = round(cpu_seconds, 4)
+    tokens = summary.get("output_tokens") or 0
+    summary["cpu_ms_per_token"] = round(1000 * cpu_seconds / tokens, 4) if tokens else None
+
+
 def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     """The run's summary, vLLM's definitions; latencies in ms."""
     done = [r for r in records if r.ok]

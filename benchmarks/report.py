@@ -23,6 +23,7 @@ METRICS: dict[str, Getter] = {
     "ITL p90": lambda s: s["itl_ms"]["p90"],
     "ITL p95": lambda s: s["itl_ms"].get("p95"),
     "TPOT p50": lambda s: s["tpot_ms"]["p50"],
+    "CPU ms/token": lambda s: s.get("cpu_ms_per_token"),
 }
 
 

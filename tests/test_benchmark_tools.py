@@ -67,7 +67,10 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
     runs = {r["target"]: r["result"] for r in report["runs"]}
     assert set(runs) == {ab.ENGINE, ab.OURS}
     for result in runs.values():
-        assert (result["summary"]["completed"], result["summary"]["failed"]) == (2, 0)
+        summary = result["summary"]
+        assert (summary["completed"], summary["failed"]) == (2, 0)
+        # Each contender's CPU over its run, per output token: nonzero work was counted.
+        assert summary["cpu_s"] > 0 and summary["cpu_ms_per_token"] > 0
     served = runs[ab.OURS]
     assert served["health_after"]["state"] == "ready"
     with pytest.raises(httpx.ConnectError):  # stopped once its run was over
@@ -88,3 +91,4 @@ def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatc
     assert [r["variant"] for r in report["runs"]] == ["-", "MLX_SERVE_STREAM_INTERVAL=4"]
     for r in report["runs"]:
         assert (r["summary"]["completed"], r["summary"]["failed"]) == (2, 0)
+        assert r["summary"]["cpu_ms_per_token"] > 0
