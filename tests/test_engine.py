@@ -47,6 +47,23 @@ async def test_batched_output_equals_solo_output_at_temperature_zero(tiny_model_
         assert len({r.text for r in solo}) > 1, "the tiny model should vary with the prompt"
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+async def test_output_and_cancellation_do_not_depend_on_the_pipeline_depth(tiny_model_dir, depth):
+    async with running_engine(tiny_model_dir) as engine:  # the default depth, 2
+        ps = prompts(engine, 6)
+        reference = await generate_all(engine, [make_request(p, max_tokens=12) for p in ps])
+    config = EngineConfig(pipeline_depth=depth)
+    async with running_engine(tiny_model_dir, config=config) as engine:
+        results = await generate_all(engine, [make_request(p, max_tokens=12) for p in ps])
+        assert [r.text for r in results] == [r.text for r in reference]
+        # A client that leaves mid-stream is dropped however many steps are queued.
+        handle = engine.submit(make_request(ps[0], max_tokens=10_000))
+        async with handle:
+            assert (await handle.peek()) is not None
+        await wait_until(lambda: engine.idle)
+        assert engine.statistics().running == 0
+
+
 async def test_seeded_sampling_is_reproducible_inside_a_mixed_batch(tiny_model_dir):
     async with running_engine(tiny_model_dir) as engine:
         p = prompts(engine, 1)[0]

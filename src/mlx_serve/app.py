@@ -77,6 +77,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         step_timeout=settings.step_timeout,
         max_failed_rebuilds=settings.max_failed_rebuilds,
         max_request_failures=settings.max_request_failures,
+        pipeline_depth=settings.pipeline_depth,
     )
 
 

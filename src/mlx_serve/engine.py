@@ -41,9 +41,6 @@ from mlx_serve.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 
-# Steps in the MLX thread's hands at once: the running one and the next, queued.
-PIPELINE_DEPTH = 2
-
 __all__ = ["ALIVE_STATES", "Engine", "EngineConfig", "EngineState", "EngineStatistics",
            "RequestHandle"]
 
@@ -194,8 +191,8 @@ class Engine:
                 if not self._open:
                     return
                 inflight.append(self._launch_step())
-            if len(inflight) < PIPELINE_DEPTH and self._can_pipeline():
-                # The next step waits in the MLX thread's queue while this one runs: the
+            while len(inflight) < self._config.pipeline_depth and self._can_pipeline():
+                # Further steps wait in the MLX thread's queue while this one runs: the
                 # thread goes from step to step without waiting for the event loop,
                 # which meanwhile fans out deltas and writes to clients.
                 inflight.append(self._launch_step())
