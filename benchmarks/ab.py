@@ -162,9 +162,7 @@ class ABRunner:
         cfg = self.config
         target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout,
                         cfg.health_probe)
-        cpu_start = server.cpu_seconds()
-        result = run_async(run_load(target, workload, prompts, tuple(warmup)))
-        cpu_per_token(result["summary"], server.cpu_seconds() - cpu_start)
+        result = measured_load(server, target, workload, prompts, tuple(warmup))
         result["health_after"] = server.health()
         return result
 
@@ -211,6 +209,15 @@ class ABRunner:
 
 
 SERVER_COMMANDS = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
+
+
+def measured_load(server: ServerProcess, target: Target, workload: Workload,
+                  prompts: list[str], warmup: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One load against ``server``, with the server's CPU per output token in its summary."""
+    cpu_start = server.cpu_seconds()
+    result = run_async(run_load(target, workload, prompts, warmup))
+    cpu_per_token(result["summary"], server.cpu_seconds() - cpu_start)
+    return result
 
 
 def start_server(name: str, config: ABConfig, model_path: str, workdir: Path,

@@ -23,9 +23,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ab import RESULTS_DIR, resolve_blas, resolve_model_path, rotated
-from benchmarks.loadgen import Target, run_async, run_load, warm_up
-from benchmarks.metrics import cpu_per_token
+from benchmarks.ab import (
+    RESULTS_DIR,
+    measured_load,
+    resolve_blas,
+    resolve_model_path,
+    rotated,
+)
+from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import BatchConfig, ServerProcess, blas_env, mlx_serve_command, spawn
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
@@ -109,9 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   else servers[name])
                         target = Target(server.base_url, request_timeout=60.0,
                                         health_probe=args.health_probe or None)
-                        cpu_start = server.cpu_seconds()
-                        summary = run_async(run_load(target, workload, prompts))["summary"]
-                        cpu_per_token(summary, server.cpu_seconds() - cpu_start)
+                        summary = measured_load(server, target, workload, prompts)["summary"]
                     runs.append({"round": rnd, "concurrency": conc, "variant": name,
                                  "summary": summary})
                     print(f"round {rnd} c={conc:<4} {name:<32} tok/s "

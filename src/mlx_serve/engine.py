@@ -229,16 +229,17 @@ class Engine:
             self._isolation.forget(gone)
         return gone
 
-    def _in_batch(self, admissions: list[GenerationRequest]) -> frozenset[str]:
+    def _in_batch(self, admissions: list[GenerationRequest]) -> set[str]:
+        """The requests the next step runs (a fresh set: a queued step may add to it)."""
         self._admitted.update(r.request_id for r in admissions)
         if self._batch is not None:
-            return self._batch & self._open.keys()
-        return frozenset(self._open)
+            return self._open.keys() & self._batch
+        return set(self._open)
 
     def _launch_step(self) -> EngineStep:
         admissions = self._take_admissions()
         cancellations = self._take_cancellations()
-        step = EngineStep(set(self._in_batch(admissions)), admissions, cancellations)
+        step = EngineStep(self._in_batch(admissions), admissions, cancellations)
         self._mlx.post(step.run_and_report, self.runner, self._loop, self._step_done)
         return step
 
