@@ -52,61 +52,70 @@ class Spinner:
         self.on.set()
 
 
+class _AsyncEvalTimer:
+    """Wraps ``mx.async_eval``: time spent inside it, and the spinner's progress there."""
+
+    def __init__(self, real: Any, spinner: Spinner) -> None:
+        self._real, self._spinner = real, spinner
+        self.seconds, self.counts = 0.0, 0
+
+    def __call__(self, *args: Any) -> None:
+        count, start = self._spinner.count, time.perf_counter()
+        self._real(*args)
+        self.seconds += time.perf_counter() - start
+        self.counts += self._spinner.count - count
+
+
+def _decode(model: Any, spinner: Spinner, timer: _AsyncEvalTimer, solo: float, batch: int,
+            steps: int, prompt_tokens: int, spin: bool) -> dict[str, Any]:
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=8,
+                         prefill_step_size=2048)
+    prompts = [[(i * 7 + j) % 1000 + 10 for j in range(prompt_tokens)] for i in range(batch)]
+    gen.insert(prompts, max_tokens=[steps + 8] * batch)
+    done, started, counted = 0, 0.0, 0
+    while done < steps:
+        prompted, generated = gen.next()
+        if not generated and not prompted:
+            raise RuntimeError("the batch finished before the steps were done")
+        if generated and not done:  # time decoding only, from its first step
+            spinner.on.set() if spin else spinner.on.clear()
+            started, counted = time.perf_counter(), spinner.count
+            timer.seconds, timer.counts = 0.0, 0
+        done += bool(generated)
+    wall = time.perf_counter() - started
+    spun = spinner.count - counted
+    spinner.on.clear()
+    gen.close()
+    row = {"batch": batch, "spinner": spin,
+           "step_ms": round(1000 * wall / (steps - 1), 3),  # intervals after the first
+           "async_eval_share": round(timer.seconds / wall, 3)}
+    if spin:
+        row["spinner_rate"] = round(spun / wall / solo, 3)
+        row["spinner_rate_inside_async_eval"] = (
+            round(timer.counts / timer.seconds / solo, 3) if timer.seconds else None)
+    return row
+
+
 def probe(model_path: str, batches: list[int], steps: int, prompt_tokens: int = 128,
           solo_seconds: float = 1.0) -> list[dict[str, Any]]:
     import mlx.core as mx
     from mlx_lm import load
-    from mlx_lm.generate import BatchGenerator
 
     model = load(model_path)[0]
     spinner = Spinner()
     solo = spinner.solo_rate(solo_seconds)
     real_async_eval = mx.async_eval
-    inside = {"seconds": 0.0, "counts": 0}
-
-    def timed_async_eval(*args: Any) -> None:
-        count, start = spinner.count, time.perf_counter()
-        real_async_eval(*args)
-        inside["seconds"] += time.perf_counter() - start
-        inside["counts"] += spinner.count - count
-
-    def decode(batch: int, spin: bool) -> dict[str, Any]:
-        gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=8,
-                             prefill_step_size=2048)
-        prompts = [[(i * 7 + j) % 1000 + 10 for j in range(prompt_tokens)]
-                   for i in range(batch)]
-        gen.insert(prompts, max_tokens=[steps + 8] * batch)
-        done, started, counted = 0, 0.0, 0
-        while done < steps:
-            prompted, generated = gen.next()
-            if not generated and not prompted:
-                raise RuntimeError("the batch finished before the steps were done")
-            if generated and not done:  # time decoding only, from its first step
-                spinner.on.set() if spin else spinner.on.clear()
-                started, counted = time.perf_counter(), spinner.count
-                inside.update(seconds=0.0, counts=0)
-            done += bool(generated)
-        wall = time.perf_counter() - started
-        spun = spinner.count - counted
-        spinner.on.clear()
-        gen.close()
-        row = {"batch": batch, "spinner": spin,
-               "step_ms": round(1000 * wall / (steps - 1), 3),  # intervals after the first
-               "async_eval_share": round(inside["seconds"] / wall, 3)}
-        if spin:
-            row["spinner_rate"] = round(spun / wall / solo, 3)
-            row["spinner_rate_inside_async_eval"] = (
-                round(inside["counts"] / inside["seconds"] / solo, 3)
-                if inside["seconds"] else None)
-        return row
-
-    mx.async_eval = timed_async_eval  # type: ignore[assignment]
+    timer = _AsyncEvalTimer(real_async_eval, spinner)
+    mx.async_eval = timer  # type: ignore[assignment]
     try:
         rows = []
         for batch in batches:
-            decode(batch, False)  # warm-up: kernels, buffers
+            _decode(model, spinner, timer, solo, batch, steps, prompt_tokens, False)  # warm-up
             for spin in (False, True, False, True):
-                rows.append(decode(batch, spin))
+                rows.append(_decode(model, spinner, timer, solo, batch, steps, prompt_tokens,
+                                    spin))
                 print(json.dumps(rows[-1]), flush=True)
         return rows
     finally:
