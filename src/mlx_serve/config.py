@@ -45,9 +45,9 @@ class Settings(BaseSettings):
     prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled together")
     prefill_step_size: int = Field(512, ge=1, description="prompt tokens per prefill chunk")
     pipeline_depth: int = Field(
-        2, ge=1, le=8,
-        description="batch steps handed to the MLX thread ahead of their results (2: the "
-                    "running step and one queued)",
+        3, ge=1, le=8,
+        description="batch steps handed to the MLX thread ahead of their results (3: the "
+                    "running step and two queued)",
     )
     max_queue: int = Field(256, ge=1, description="requests waiting for a batch slot before 429")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body")

@@ -191,16 +191,26 @@ class Engine:
                 if not self._open:
                     return
                 inflight.append(self._launch_step())
-            while len(inflight) < self._config.pipeline_depth and self._can_pipeline():
-                # Further steps wait in the MLX thread's queue while this one runs: the
-                # thread goes from step to step without waiting for the event loop,
-                # which meanwhile fans out deltas and writes to clients.
-                inflight.append(self._launch_step())
+            self._top_up(inflight)
             step = inflight.popleft()
             outcome = await self._await_step(step, inflight[0] if inflight else None)
             if outcome is None:  # wedged or aborted, and dealt with: queued steps are moot
                 return
+            if outcome.error is None and not outcome.skipped:
+                # The MLX thread's next step is queued before this one's fan-out: it
+                # never waits for the deltas of 128 streams to be handed out.
+                self._top_up(inflight)
             await self._handle(outcome, step.in_step)
+
+    def _top_up(self, inflight: deque[EngineStep]) -> None:
+        """Keep ``pipeline_depth`` steps in the MLX thread's hands in plain serving.
+
+        Further steps wait in its queue while one runs: the thread goes from step to
+        step without waiting for the event loop, which meanwhile fans out deltas and
+        writes to clients.
+        """
+        while len(inflight) < self._config.pipeline_depth and self._can_pipeline():
+            inflight.append(self._launch_step())
 
     def _open_request(self, entry: OpenRequest) -> None:
         if entry.client_gone:

@@ -29,7 +29,7 @@ class EngineConfig:
     step_timeout: float = 120.0
     max_failed_rebuilds: int = 3
     max_request_failures: int = 2
-    pipeline_depth: int = 2  # steps in the MLX thread's hands: the running one + queued
+    pipeline_depth: int = 3  # steps in the MLX thread's hands: the running one + queued
 
 
 @dataclass(frozen=True)
