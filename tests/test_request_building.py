@@ -1,0 +1,40 @@
+"""Where a prompt is rendered and tokenized: short text on the event loop, long in a thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mlx_serve.protocol import ChatCompletionRequest
+from mlx_serve.request_building import INLINE_TEXT_CHARS, _chat_chars, off_loop_if_long
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_short_input_stays_on_the_event_loop_and_long_input_goes_to_a_thread():
+    loop_thread = threading.get_ident()
+    assert await off_loop_if_long(INLINE_TEXT_CHARS, threading.get_ident) == loop_thread
+    assert await off_loop_if_long(INLINE_TEXT_CHARS + 1, threading.get_ident) != loop_thread
+    assert await off_loop_if_long(None, threading.get_ident) != loop_thread
+
+
+def chat(**body: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(body)
+
+
+def test_a_chat_counts_every_message_its_template_renders():
+    body = chat(messages=[
+        {"role": "system", "content": "s" * 10},
+        {"role": "user", "content": [{"type": "text", "text": "u" * 20}]},
+        {"role": "assistant", "content": None, "reasoning_content": "r" * 30, "tool_calls": [
+            {"id": "1", "function": {"name": "f", "arguments": "a" * 40}}]},
+    ])
+    assert _chat_chars(body) == 100
+
+
+def test_a_chat_with_tools_is_never_rendered_on_the_event_loop():
+    body = chat(messages=[{"role": "user", "content": "hi"}], tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    assert _chat_chars(body) is None
+
