@@ -30,7 +30,7 @@ from typing import Any
 from benchmarks import environment
 from benchmarks.loadgen import Target, run_async, run_load, warm_up
 from benchmarks.memory import rss_run
-from benchmarks.metrics import cpu_per_token
+from benchmarks.metrics import cpu_per_token, step_figures
 from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
 from benchmarks.servers import (
     BatchConfig,
@@ -213,10 +213,19 @@ SERVER_COMMANDS = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
 
 def measured_load(server: ServerProcess, target: Target, workload: Workload,
                   prompts: list[str], warmup: tuple[str, ...] = ()) -> dict[str, Any]:
-    """One load against ``server``, with the server's CPU per output token in its summary."""
-    cpu_start = server.cpu_seconds()
-    result = run_async(run_load(target, workload, prompts, warmup))
-    cpu_per_token(result["summary"], server.cpu_seconds() - cpu_start)
+    """One load against ``server``; its summary gets the server's CPU per output token
+    and, where the server counts them (mlx_serve), its batch steps. Both are read after
+    the warm-up requests."""
+    start: dict[str, Any] = {}
+
+    def read_counters() -> None:
+        start.update(cpu=server.cpu_seconds(), steps=server.steps())
+
+    result = run_async(run_load(target, workload, prompts, warmup, read_counters))
+    cpu_per_token(result["summary"], server.cpu_seconds() - start["cpu"])
+    steps = server.steps()
+    step_figures(result["summary"],
+                 None if steps is None or start["steps"] is None else steps - start["steps"])
     return result
 
 

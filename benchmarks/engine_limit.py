@@ -23,7 +23,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.metrics import RequestRecord, cpu_per_token, report_run, summarize
+from benchmarks.metrics import (
+    RequestRecord,
+    cpu_per_token,
+    report_run,
+    step_figures,
+    summarize,
+)
 from benchmarks.workload import Workload, build_prompts
 
 
@@ -70,6 +76,7 @@ class EngineHarness:
         waiting = deque(range(min(len(prompts), workload.num_requests)))
         inflight: dict[int, _InFlight] = {}
         records: list[RequestRecord] = []
+        steps = 0
         start = last_done = time.perf_counter()
         try:
             while waiting or inflight:
@@ -90,12 +97,15 @@ class EngineHarness:
                     time.sleep(min(0.01, max(0.0, arrivals[waiting[0]] - now)))
                     continue
                 _, responses = gen.next()
+                steps += 1
                 if self._emit(responses, inflight, records):
                     last_done = time.perf_counter()
         finally:
             gen.close()
         records.extend(RequestRecord(error="not finished at the time limit") for _ in inflight)
-        return summarize(records, last_done - start)
+        summary = summarize(records, last_done - start)
+        step_figures(summary, steps)
+        return summary
 
     @staticmethod
     def _due(waiting: deque[int], inflight: dict[int, _InFlight], arrivals: list[float],

@@ -35,7 +35,9 @@ from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import BatchConfig, ServerProcess, blas_env, mlx_serve_command, spawn
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
-SHOWN = ("output tok/s", "TTFT p50", "TPOT p50", "CPU ms/token")  # of report.METRICS
+# Of report.METRICS; the step figures say whether a slower variant ran emptier batches
+# (fewer tokens a step) or slower steps.
+SHOWN = ("output tok/s", "TTFT p50", "TPOT p50", "CPU ms/token", "tokens/step", "ms/step")
 
 
 def parse_variant(text: str) -> dict[str, str]:

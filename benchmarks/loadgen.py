@@ -18,7 +18,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -215,17 +215,22 @@ def health_summary(samples: list[tuple[float, bool]]) -> dict[str, Any]:
 
 
 async def run_load(target: Target, workload: Workload, prompts: list[str],
-                   warmup_prompts: tuple[str, ...] = ()) -> dict[str, Any]:
+                   warmup_prompts: tuple[str, ...] = (),
+                   on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run the workload against ``target``; return config and vLLM-style summary.
 
     ``warmup_prompts`` are sent first, one at a time, unmeasured. They must differ from
     ``prompts``: a server with a prompt cache (mlx_lm.server) would otherwise reuse them.
+    ``on_start`` is called after them, right before the measured load (to read the
+    server's counters).
     The run stops sending at ``workload.time_limit`` and is cut (in-flight requests
     cancelled, counted as failed) at ``time_limit + target.request_timeout``.
     """
     async with make_client(workload.concurrency, target.request_timeout) as client:
         for prompt in warmup_prompts:
             await send_one(client, target, prompt, workload.output_tokens)
+        if on_start is not None:
+            on_start()
         probe = None
         if target.health_probe:
             probe = HealthProbe(target.base_url, target.health_probe)

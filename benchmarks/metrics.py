@@ -66,6 +66,22 @@ def cpu_per_token(summary: dict[str, Any], cpu_seconds: float) -> None:
     summary["cpu_ms_per_token"] = round(1000 * cpu_seconds / tokens, 4) if tokens else None
 
 
+def step_figures(summary: dict[str, Any], steps: int | None) -> None:
+    """Record how many batch steps a run took: tokens per step and ms per step.
+
+    They tell the two ways a run can be slow apart: fewer tokens per step (the batch
+    ran emptier: admission and scheduling) or longer steps (the same work, done
+    slower: contention for the cores or the interpreter lock).
+    """
+    summary["steps"] = steps
+    tokens = summary.get("output_tokens") or 0
+    if steps and tokens:
+        summary["tokens_per_step"] = round(tokens / steps, 3)
+        summary["ms_per_step"] = round(1000 * summary["duration_s"] / steps, 4)
+    else:
+        summary["tokens_per_step"] = summary["ms_per_step"] = None
+
+
 def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     """The run's summary, vLLM's definitions; latencies in ms."""
     done = [r for r in records if r.ok]

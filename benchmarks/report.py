@@ -24,6 +24,8 @@ METRICS: dict[str, Getter] = {
     "ITL p95": lambda s: s["itl_ms"].get("p95"),
     "TPOT p50": lambda s: s["tpot_ms"]["p50"],
     "CPU ms/token": lambda s: s.get("cpu_ms_per_token"),
+    "tokens/step": lambda s: s.get("tokens_per_step"),
+    "ms/step": lambda s: s.get("ms_per_step"),
 }
 
 

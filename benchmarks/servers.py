@@ -126,6 +126,12 @@ class ServerProcess:
             return None
         return body if isinstance(body, dict) else None
 
+    def steps(self) -> int | None:
+        """Batch steps the server has run so far (mlx_serve's /health), or None."""
+        body = self.health()
+        steps = body.get("steps") if body else None
+        return steps if isinstance(steps, int) else None
+
     def stop(self, timeout: float = 10.0) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             if self.proc.poll() is not None:

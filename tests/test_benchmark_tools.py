@@ -71,6 +71,10 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
         assert (summary["completed"], summary["failed"]) == (2, 0)
         # Each contender's CPU over its run, per output token: nonzero work was counted.
         assert summary["cpu_s"] > 0 and summary["cpu_ms_per_token"] > 0
+        # Batch steps: 2 requests of 8 tokens take at least 8 steps and yield at most 2
+        # tokens a step; the warm-up request before them (about 10 steps) is not counted.
+        assert 8 <= summary["steps"] <= 16 and 0 < summary["tokens_per_step"] <= 2
+        assert summary["ms_per_step"] > 0
     served = runs[ab.OURS]
     assert served["health_after"]["state"] == "ready"
     with pytest.raises(httpx.ConnectError):  # stopped once its run was over

@@ -286,7 +286,9 @@ class Engine:
             return None
         finally:
             self._step_started = None
-            self._counts["steps"] += 1
+            # Batch steps the model ran; a step that hung counts, a queued empty one not.
+            if step.outcome is None or step.outcome.ran_batch:
+                self._counts["steps"] += 1
 
     async def _done_or_aborted(self, step: EngineStep, deadline: float | None,
                                queued: EngineStep | None = None) -> bool:

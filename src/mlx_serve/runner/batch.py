@@ -119,7 +119,7 @@ class Runner:
             self._release_waiting(prompt_responses)
         except Exception as exc:
             self._broken = True
-            return StepOutcome(failed=tuple(failed), error=exc)
+            return StepOutcome(failed=tuple(failed), error=exc, ran_batch=True)
         deltas = []
         for r in responses:
             live = self._by_uid.get(r.uid)
@@ -133,7 +133,7 @@ class Runner:
         # Sampled every so often, and when the batch empties so that idle figures settle.
         if not self._by_uid or time.monotonic() - self._memory_sampled >= MEMORY_SAMPLE_INTERVAL_S:
             self._sample_memory()
-        return StepOutcome(deltas=tuple(deltas), failed=tuple(failed))
+        return StepOutcome(deltas=tuple(deltas), failed=tuple(failed), ran_batch=True)
 
     def _take_while_broken(self, admissions: Sequence[GenerationRequest],
                            cancellations: Collection[str]) -> StepOutcome:
