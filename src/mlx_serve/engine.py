@@ -198,9 +198,16 @@ class Engine:
                 return
             if outcome.error is None and not outcome.skipped:
                 # The MLX thread's next step is queued before this one's fan-out: it
-                # never waits for the deltas of 128 streams to be handed out.
+                # never waits for the deltas of 128 streams to be handed out. Finished
+                # requests leave first, so that queued ones can take their slots in it.
+                self._retire_finished(outcome)
                 self._top_up(inflight)
             await self._handle(outcome, step.in_step)
+
+    def _retire_finished(self, outcome: StepOutcome) -> None:
+        for rid, delta in outcome.deltas:
+            if delta.finish_reason is not None:
+                self._finish(rid, delta)  # _deliver then finds it gone and skips it
 
     def _top_up(self, inflight: deque[EngineStep]) -> None:
         """Keep ``pipeline_depth`` steps in the MLX thread's hands in plain serving.
@@ -368,7 +375,7 @@ class Engine:
     def _deliver(self, deltas: Collection[tuple[str, Delta]]) -> None:
         for rid, delta in deltas:
             if delta.finish_reason is not None:
-                self._finish(rid, delta)
+                self._finish(rid, delta)  # nothing if already retired
                 continue
             entry = self._open.get(rid)
             if entry is not None:
