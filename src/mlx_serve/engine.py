@@ -34,6 +34,7 @@ from mlx_serve.errors import (
 )
 from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent, StepOutcome
 from mlx_serve.mlx_thread import MLXThread
+from mlx_serve.open_requests import OpenRequests
 from mlx_serve.recovery import Decision, Isolation
 from mlx_serve.reply_channel import ReplyChannel
 from mlx_serve.request_handle import OpenRequest, RequestHandle
@@ -56,13 +57,12 @@ class Engine:
         self._load = load
         self._config = config
         self._mlx = mlx
-        self._inbox_send, self._inbox = anyio.create_memory_object_stream[OpenRequest](
+        self._inbox_send, inbox = anyio.create_memory_object_stream[OpenRequest](
             config.max_queue
         )
         self._state = EngineState.LOADING
         self._error: str | None = None
-        self._open: dict[str, OpenRequest] = {}
-        self._admitted: set[str] = set()  # open requests the runner has been given
+        self._requests = OpenRequests(inbox)
         self._batch: frozenset[str] | None = None  # None: every open request is in it
         self._isolation = Isolation(config.max_failed_rebuilds, config.max_request_failures)
         self._step_started: float | None = None
@@ -107,8 +107,8 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         started = self._step_started
         return EngineStatistics(
-            state=self._state, running=len(self._open),
-            waiting=self._inbox.statistics().current_buffer_used,
+            state=self._state, running=len(self._requests),
+            waiting=self._requests.waiting,
             step_age=0.0 if started is None else time.monotonic() - started,
             error=self._error, **self._counts,
         )
@@ -130,7 +130,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self._open and self._inbox.statistics().current_buffer_used == 0
+        return not self._requests and self._requests.waiting == 0
 
     # -- the actor ------------------------------------------------------------------------
 
@@ -176,11 +176,11 @@ class Engine:
 
     async def _wait_for_work(self) -> bool:
         """Return True when there is something to step; False when the actor should end."""
-        while not self._open:
-            try:
-                self._open_request(await self._inbox.receive())
-            except anyio.EndOfStream:
+        while not self._requests:
+            entry = await self._requests.next_queued()
+            if entry is None:
                 return False
+            self._requests.open(entry, self._draining)  # draining may have begun meanwhile
         return True
 
     async def _step_until_idle(self) -> None:
@@ -188,7 +188,7 @@ class Engine:
         inflight: deque[EngineStep] = deque()
         while not self._aborted:
             if not inflight:
-                if not self._open:
+                if not self._requests:
                     return
                 inflight.append(self._launch_step())
             self._top_up(inflight)
@@ -219,39 +219,21 @@ class Engine:
         while len(inflight) < self._config.pipeline_depth and self._can_pipeline():
             inflight.append(self._launch_step())
 
-    def _open_request(self, entry: OpenRequest) -> None:
-        if entry.client_gone:
-            entry.reply.close_producer()
-        elif self._draining:
-            _answer(entry, Failure(EngineUnavailableError("the server is draining")))
-        else:
-            self._open[entry.request.request_id] = entry
-
     def _take_admissions(self) -> list[GenerationRequest]:
-        """Pull new requests from the inbox, up to the running limit (none while isolating)."""
-        if self._batch is None:
-            while len(self._open) < self._config.max_running or self._draining:
-                try:
-                    self._open_request(self._inbox.receive_nowait())
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
-        return [o.request for rid, o in self._open.items() if rid not in self._admitted]
+        """New requests from the inbox, up to the running limit (none while isolating)."""
+        limit = self._config.max_running if self._batch is None else None
+        return self._requests.take_new(limit, self._draining)
 
     def _take_cancellations(self) -> list[str]:
-        gone = [rid for rid, o in self._open.items() if o.client_gone]
-        for rid in gone:
-            self._open.pop(rid).reply.close_producer()
-            self._admitted.discard(rid)
+        gone = self._requests.take_departed()
         if gone:
             self._isolation.forget(gone)
         return gone
 
     def _in_batch(self, admissions: list[GenerationRequest]) -> set[str]:
         """The requests the next step runs (a fresh set: a queued step may add to it)."""
-        self._admitted.update(r.request_id for r in admissions)
-        if self._batch is not None:
-            return self._open.keys() & self._batch
-        return set(self._open)
+        self._requests.given(admissions)
+        return self._requests.in_batch(self._batch)
 
     def _launch_step(self) -> EngineStep:
         admissions = self._take_admissions()
@@ -271,11 +253,11 @@ class Engine:
             return
         admissions = self._take_admissions()
         if admissions and queued.add_admissions(admissions):
-            self._admitted.update(r.request_id for r in admissions)
+            self._requests.given(admissions)
 
     def _can_pipeline(self) -> bool:
         """Queue a step behind the running one only in plain serving, with work left."""
-        return bool(self._open) and self._batch is None and not self._isolation.recovering
+        return bool(self._requests) and self._batch is None and not self._isolation.recovering
 
     async def _await_step(self, step: EngineStep, queued: EngineStep | None) -> StepOutcome | None:
         """Wait for a step, never abandoning it; one past its deadline wedges the engine.
@@ -350,7 +332,7 @@ class Engine:
             log.warning("step failed (%s: %s) with %d requests",
                         type(outcome.error).__name__, outcome.error, len(in_step))
             self._counts["recoveries"] += 1
-            decision = self._isolation.on_failure(in_step & self._open.keys())
+            decision = self._isolation.on_failure(in_step & self._requests.ids())
         if decision is not None:
             await self._apply(decision, outcome.error)
         if self._state is EngineState.RECOVERING and not self._isolation.recovering:
@@ -377,42 +359,27 @@ class Engine:
             if delta.finish_reason is not None:
                 self._finish(rid, delta)  # nothing if already retired
                 continue
-            entry = self._open.get(rid)
+            entry = self._requests.get(rid)
             if entry is not None:
                 entry.reply.put(delta)  # a departed client's is dropped; cancelled next step
 
     def _finish(self, rid: str, event: ReplyEvent) -> None:
-        entry = self._open.pop(rid, None)
-        self._admitted.discard(rid)
+        self._requests.finish(rid, event)
         self._isolation.forget([rid])
-        if entry is not None:
-            _answer(entry, event)
 
     def _fail_all(self, error: MLXServeError) -> None:
-        """Terminal error to every open and queued request; close the inbox for good."""
-        for rid in list(self._open):
+        """Terminal error to every open and queued request; close the inbox for good
+        (a wedged engine keeps it: it may come back)."""
+        for rid in list(self._requests.ids()):
             self._finish(rid, Failure(error))
         if self._state is not EngineState.WEDGED:
             self._inbox_send.close()
-        while True:
-            try:
-                entry = self._inbox.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-            _answer(entry, Failure(error))
+        self._requests.answer_queued(Failure(error))
 
     def unavailable_error(self) -> MLXServeError:
         if self._state in (EngineState.FAILED, EngineState.STOPPED):
             return EngineDeadError(f"the generation engine has {self._state.value}")
         return EngineUnavailableError(f"the server is {self._state.value}; retry later")
-
-
-def _answer(entry: OpenRequest, event: ReplyEvent) -> None:
-    """Send a terminal event and close the reply stream; a departed client is fine."""
-    if isinstance(event, Failure) and event.index != entry.request.index:
-        event = Failure(event.error, entry.request.index)
-    entry.reply.put(event, urgent=True)
-    entry.reply.close_producer()
 
 
 def _as_request_error(exc: Exception) -> MLXServeError:
