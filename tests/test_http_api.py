@@ -525,6 +525,18 @@ def test_health_and_live_when_ready(server):
     assert elapsed < 1.0
 
 
+def test_the_startup_heap_is_frozen_out_of_the_garbage_collectors_view(server):
+    # Frozen once the structured-output tables are built, shortly after /health says ready.
+    deadline = time.monotonic() + TIMEOUT
+    while not (lines := [ln for ln in server.log_path.read_text(errors="replace").splitlines()
+                         if "startup objects" in ln]):
+        assert time.monotonic() < deadline, server.log_text()
+        time.sleep(0.05)
+    assert int(lines[0].split("froze ")[1].split()[0]) > 10_000, lines
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as c:
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def test_no_traceback_in_the_server_log(server):
     # Runs last in this module: nothing above may have produced an unhandled error.
     log = server.log_path.read_text(errors="replace")
