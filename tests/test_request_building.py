@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-from mlx_serve.protocol import ChatCompletionRequest
-from mlx_serve.request_building import INLINE_TEXT_CHARS, _chat_chars, off_loop_if_long
+from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
+from mlx_serve.request_building import (
+    INLINE_TEXT_CHARS,
+    ITEM_OVERHEAD_CHARS,
+    _chat_chars,
+    _completion_prompts,
+    off_loop_if_long,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -30,7 +37,12 @@ def test_a_chat_counts_every_message_its_template_renders():
         {"role": "assistant", "content": None, "reasoning_content": "r" * 30, "tool_calls": [
             {"id": "1", "function": {"name": "f", "arguments": "a" * 40}}]},
     ])
-    assert _chat_chars(body) == 100
+    assert _chat_chars(body) == 100 + 3 * ITEM_OVERHEAD_CHARS
+
+
+def test_many_short_messages_are_rendered_off_the_event_loop():
+    body = chat(messages=[{"role": "user", "content": ""}] * 100)
+    assert _chat_chars(body) > INLINE_TEXT_CHARS
 
 
 def test_a_chat_with_tools_is_never_rendered_on_the_event_loop():
@@ -38,3 +50,25 @@ def test_a_chat_with_tools_is_never_rendered_on_the_event_loop():
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     assert _chat_chars(body) is None
 
+
+
+class RecordingTokenizer:
+    """Encodes every text as one token and remembers the thread that did it."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return [1]
+
+
+async def test_a_few_short_prompts_are_encoded_on_the_loop_and_many_in_a_thread():
+    tokenizer = RecordingTokenizer()
+    runner = SimpleNamespace(tokenizer=tokenizer, vocab_size=10)
+    loop_thread = threading.get_ident()
+    await _completion_prompts(CompletionRequest.model_validate({"prompt": ["a", "b"]}), runner)
+    assert tokenizer.threads == [loop_thread, loop_thread]
+    tokenizer.threads.clear()
+    await _completion_prompts(CompletionRequest.model_validate({"prompt": ["a"] * 100}), runner)
+    assert len(tokenizer.threads) == 100 and loop_thread not in tokenizer.threads

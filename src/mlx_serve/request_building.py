@@ -173,11 +173,17 @@ async def off_loop_if_long(chars: int | None, fn: Callable[..., T], *args: Any) 
     return await anyio.to_thread.run_sync(fn, *args)
 
 
+# The fixed work of each message a template renders (role markers, separators) or each
+# prompt encoded, in characters: many short items are as much work as one long one.
+ITEM_OVERHEAD_CHARS = 64
+
+
 def _chat_chars(body: ChatCompletionRequest) -> int | None:
     """The text a chat template renders, roughly; None when tools add schemas to it."""
     if body.tools:
         return None
-    return sum(len(m.text()) + len(m.reasoning or m.reasoning_content or "")
+    return sum(ITEM_OVERHEAD_CHARS + len(m.text())
+               + len(m.reasoning or m.reasoning_content or "")
                + sum(len(c.function.arguments) for c in m.tool_calls or ())
                for m in body.messages)
 
@@ -197,7 +203,7 @@ async def _completion_prompts(body: CompletionRequest, runner: Any) -> list[list
     else:
         if any(not p for p in field):
             raise RequestError("'prompt' must not be empty", param="prompt")
-        chars = sum(len(p) for p in field)  # several short prompts add up
+        chars = sum(ITEM_OVERHEAD_CHARS + len(p) for p in field)  # many short ones add up
         prompts = [await off_loop_if_long(chars, _encode, runner.tokenizer, p)
                    for p in field]
     if any(not 0 <= t < runner.vocab_size for p in prompts for t in p):
