@@ -41,6 +41,7 @@ from benchmarks.servers import (
     mlx_lm_command,
     mlx_serve_command,
     spawn,
+    steps_in,
 )
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
@@ -162,9 +163,7 @@ class ABRunner:
         cfg = self.config
         target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout,
                         cfg.health_probe)
-        result = measured_load(server, target, workload, prompts, tuple(warmup))
-        result["health_after"] = server.health()
-        return result
+        return measured_load(server, target, workload, prompts, tuple(warmup))
 
     def run_engine(self, workload: Workload, prompts: list[str],
                    warmup: list[str]) -> dict[str, Any]:
@@ -214,16 +213,17 @@ SERVER_COMMANDS = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
 def measured_load(server: ServerProcess, target: Target, workload: Workload,
                   prompts: list[str], warmup: tuple[str, ...] = ()) -> dict[str, Any]:
     """One load against ``server``; its summary gets the server's CPU per output token
-    and, where the server counts them (mlx_serve), its batch steps. Both are read after
-    the warm-up requests."""
+    and, where the server counts them (mlx_serve), its batch steps, both read after the
+    warm-up requests. The server's /health body at the end goes in ``health_after``."""
     start: dict[str, Any] = {}
 
     def read_counters() -> None:
-        start.update(cpu=server.cpu_seconds(), steps=server.steps())
+        start.update(cpu=server.cpu_seconds(), steps=steps_in(server.health()))
 
     result = run_async(run_load(target, workload, prompts, warmup, read_counters))
     cpu_per_token(result["summary"], server.cpu_seconds() - start["cpu"])
-    steps = server.steps()
+    result["health_after"] = server.health()
+    steps = steps_in(result["health_after"])
     step_figures(result["summary"],
                  None if steps is None or start["steps"] is None else steps - start["steps"])
     return result

@@ -126,12 +126,6 @@ class ServerProcess:
             return None
         return body if isinstance(body, dict) else None
 
-    def steps(self) -> int | None:
-        """Batch steps the server has run so far (mlx_serve's /health), or None."""
-        body = self.health()
-        steps = body.get("steps") if body else None
-        return steps if isinstance(steps, int) else None
-
     def stop(self, timeout: float = 10.0) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             if self.proc.poll() is not None:
@@ -163,3 +157,9 @@ def spawn(name: str, command: Callable[[int], list[str]], log_dir: Path,
     server = ServerProcess(name, command(port), port, log_dir / f"{name}-{port}.log", env)
     stack.callback(server.stop)
     return server
+
+
+def steps_in(health: dict[str, Any] | None) -> int | None:
+    """The batch steps a /health body reports (mlx_serve's), or None."""
+    steps = health.get("steps") if health else None
+    return steps if isinstance(steps, int) else None

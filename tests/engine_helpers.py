@@ -9,7 +9,7 @@ import anyio
 
 from mlx_serve.engine import Engine, RequestHandle
 from mlx_serve.errors import MLXServeError
-from mlx_serve.generation import Failure, GenerationRequest, SamplingParams
+from mlx_serve.generation import Failure, GenerationRequest, SamplingParams, StepOutcome
 
 _ids = itertools.count()
 
@@ -72,3 +72,17 @@ async def step_hanging(engine: Engine, timeout: float = 10.0) -> None:
     hanging = await anyio.to_thread.run_sync(
         engine.failpoints.wait_hanging, "engine.step", 1, timeout)  # type: ignore[attr-defined]
     assert hanging, f"no step hung at engine.step within {timeout} s"
+
+
+def record_runner_steps(engine: Engine) -> list[tuple[list[str], StepOutcome]]:
+    """From now on, each runner step's admitted request ids and outcome, in order."""
+    step = engine.runner.step
+    steps: list[tuple[list[str], StepOutcome]] = []
+
+    def recorded(admissions: list[GenerationRequest], cancellations: list[str]) -> StepOutcome:
+        outcome = step(admissions, cancellations)
+        steps.append(([r.request_id for r in admissions], outcome))
+        return outcome
+
+    engine.runner.step = recorded
+    return steps

@@ -15,6 +15,7 @@ from tests.engine_helpers import (
     generate_all,
     make_request,
     prompts,
+    record_runner_steps,
     step_hanging,
 )
 
@@ -101,14 +102,7 @@ async def test_client_that_disconnects_leaves_the_batch(tiny_model_dir):
 async def test_queued_request_whose_client_left_is_never_run(tiny_model_dir):
     async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
                               decode_batch_size=1) as engine:
-        runner_step = engine.runner.step
-        admitted: list[str] = []
-
-        def spy(admissions, cancellations):  # what the runner is handed, step by step
-            admitted.extend(r.request_id for r in admissions)
-            return runner_step(admissions, cancellations)
-
-        engine.runner.step = spy
+        steps = record_runner_steps(engine)
         first = engine.submit(make_request(prompts(engine, 1)[0], max_tokens=2))
         await step_hanging(engine)
         gone = make_request(prompts(engine, 1)[0], max_tokens=2)
@@ -116,6 +110,7 @@ async def test_queued_request_whose_client_left_is_never_run(tiny_model_dir):
         engine.failpoints.release()
         assert (await drain(first)).tokens == 2
         await wait_until(lambda: engine.idle)
+        admitted = [rid for ids, _ in steps for rid in ids]
         assert gone.request_id not in admitted
         assert admitted  # the spy saw the first request's admission
 
@@ -125,19 +120,11 @@ async def test_a_queued_request_takes_a_finished_ones_slot_in_the_next_step_laun
     config = EngineConfig(max_running=1)
     async with running_engine(tiny_model_dir, config=config, decode_batch_size=1) as engine:
         first, second = (make_request(p, max_tokens=4) for p in prompts(engine, 2))
-        runner_step = engine.runner.step
-        steps: list[tuple[list[str], bool]] = []  # per step: admitted, finished the first
-
-        def spy(admissions, cancellations):
-            outcome = runner_step(admissions, cancellations)
-            steps.append(([r.request_id for r in admissions], any(
-                rid == first.request_id and d.finish_reason for rid, d in outcome.deltas)))
-            return outcome
-
-        engine.runner.step = spy
+        steps = record_runner_steps(engine)
         handles = [engine.submit(first), engine.submit(second)]
         assert [(await drain(h)).tokens for h in handles] == [4, 4]
-        finished = next(i for i, (_, done) in enumerate(steps) if done)
+        finished = next(i for i, (_, outcome) in enumerate(steps) if any(
+            rid == first.request_id and d.finish_reason for rid, d in outcome.deltas))
         admitted = next(i for i, (ids, _) in enumerate(steps) if second.request_id in ids)
         # The steps already queued behind the one that finished the first request had no
         # free slot; the first step launched once its outcome is in takes the second.

@@ -196,18 +196,19 @@ class Engine:
             outcome = await self._await_step(step, inflight[0] if inflight else None)
             if outcome is None:  # wedged or aborted, and dealt with: queued steps are moot
                 return
+            # Finished requests leave first, so that queued ones can take their slots in
+            # the next step; that step is queued before this one's fan-out, so the MLX
+            # thread never waits for the deltas of 128 streams to be handed out.
+            self._retire_finished(outcome)
             if outcome.error is None and not outcome.skipped:
-                # The MLX thread's next step is queued before this one's fan-out: it
-                # never waits for the deltas of 128 streams to be handed out. Finished
-                # requests leave first, so that queued ones can take their slots in it.
-                self._retire_finished(outcome)
                 self._top_up(inflight)
             await self._handle(outcome, step.in_step)
 
     def _retire_finished(self, outcome: StepOutcome) -> None:
+        """Each terminal delta ends its request here; ``_deliver`` hands out the rest."""
         for rid, delta in outcome.deltas:
             if delta.finish_reason is not None:
-                self._finish(rid, delta)  # _deliver then finds it gone and skips it
+                self._finish(rid, delta)
 
     def _top_up(self, inflight: deque[EngineStep]) -> None:
         """Keep ``pipeline_depth`` steps in the MLX thread's hands in plain serving.
@@ -355,12 +356,9 @@ class Engine:
         await self._mlx.call(self.runner.rebuild, self._batch)
 
     def _deliver(self, deltas: Collection[tuple[str, Delta]]) -> None:
+        """The non-terminal deltas (``_retire_finished`` has ended the finished requests)."""
         for rid, delta in deltas:
-            if delta.finish_reason is not None:
-                self._finish(rid, delta)  # nothing if already retired
-                continue
-            entry = self._requests.get(rid)
-            if entry is not None:
+            if delta.finish_reason is None and (entry := self._requests.get(rid)) is not None:
                 entry.reply.put(delta)  # a departed client's is dropped; cancelled next step
 
     def _finish(self, rid: str, event: ReplyEvent) -> None:
