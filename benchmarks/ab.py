@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import environment
+from benchmarks.host import HostWatch
 from benchmarks.loadgen import Target, run_async, run_load, warm_up
 from benchmarks.memory import rss_run
 from benchmarks.metrics import cpu_per_token, step_figures
@@ -134,11 +134,10 @@ class ABRunner:
                 prompts, warmup = self.prompts(workload)
                 for name in rotated(cfg.targets, rnd):
                     time.sleep(cfg.settle)
-                    load_before = os.getloadavg()[0]
-                    result = self.run_one(name, workload, prompts, warmup)
+                    with HostWatch() as host:
+                        result = self.run_one(name, workload, prompts, warmup)
                     self.runs.append({"round": rnd, "concurrency": conc, "target": name,
-                                      "loadavg_1m": [load_before, os.getloadavg()[0]],
-                                      "result": result})
+                                      "host": host.record(), "result": result})
                     print(format_runs(self.runs[-1:]), flush=True)
 
     def run_one(self, name: str, workload: Workload, prompts: list[str],

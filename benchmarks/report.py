@@ -11,6 +11,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.host import describe
+
 ENGINE, OURS, MLX_LM = "engine", "mlx_serve", "mlx_lm"
 PAIRS = ((OURS, ENGINE), (MLX_LM, ENGINE), (OURS, MLX_LM))
 
@@ -119,7 +121,7 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
             f"round {run['round']} c={run['concurrency']:<3} {run['target']:<9} "
             f"ok {s['completed']:>4} fail {s['failed']:>3}  tok/s {s['output_throughput']:>8.1f}"
             f"  TTFT p50 {_num(s['ttft_ms']['p50'])}  ITL p50 {_num(s['itl_ms']['p50'])}"
-            f"  mean out {s['mean_output_tokens']}")
+            f"  mean out {s['mean_output_tokens']}  {describe(run.get('host'))}".rstrip())
     return "\n".join(lines)
 
 

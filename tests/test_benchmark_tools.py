@@ -75,6 +75,9 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
         # tokens a step; the warm-up request before them (about 10 steps) is not counted.
         assert 8 <= summary["steps"] <= 16 and 0 < summary["tokens_per_step"] <= 2
         assert summary["ms_per_step"] > 0
+    for run in report["runs"]:  # what the host gave each run was read through it
+        assert run["host"]["cpu_probe_ms"]["samples"] >= 1
+        assert run["host"]["cpu_probe_ms"]["p50"] > 0
     served = runs[ab.OURS]
     assert served["health_after"]["state"] == "ready"
     with pytest.raises(httpx.ConnectError):  # stopped once its run was over
@@ -96,6 +99,7 @@ def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatc
     for r in report["runs"]:
         assert (r["summary"]["completed"], r["summary"]["failed"]) == (2, 0)
         assert r["summary"]["cpu_ms_per_token"] > 0
+        assert r["host"]["cpu_probe_ms"]["samples"] >= 1
 
 
 def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_model_dir):
@@ -106,3 +110,37 @@ def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_m
     assert all(r["step_ms"] > 0 and 0 < r["async_eval_share"] < 1 for r in rows)
     # The spinner made progress while MLX ran: its rate is measured, not assumed.
     assert all(r["spinner_rate"] > 0 for r in rows if r["spinner"])
+
+
+def test_steal_share_is_read_from_the_cpu_line_of_proc_stat(tmp_path):
+    from benchmarks.host import cpu_times, steal_share
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n")
+    before = cpu_times(stat)
+    stat.write_text("cpu  160 0 70 900 10 0 5 55 0 0\ncpu0 1 2 3\n")
+    after = cpu_times(stat)
+    assert before == (100, 0, 50, 800, 10, 0, 5, 35)
+    assert steal_share(before, after) == 0.1  # 20 stolen of 200 ticks
+    assert steal_share(None, after) is None
+    stat.write_text("intr 1 2 3\n")
+    assert cpu_times(stat) is None
+    assert cpu_times(tmp_path / "missing") is None
+
+
+def test_the_host_watch_samples_the_cpu_probe_through_a_run_and_stops_its_sampler():
+    import time
+
+    from benchmarks.host import HostWatch, describe
+
+    watch = HostWatch(period=0.05)
+    with watch:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # a run that keeps a core busy meanwhile
+            sum(range(10_000))
+    record = watch.record()
+    probe = record["cpu_probe_ms"]
+    assert probe["samples"] >= 2 and 0 < probe["p50"] <= probe["p90"]
+    assert watch._sampler.poll() is not None  # the sampler process has ended
+    assert describe(record).startswith("probe ")
+    assert describe(None) == ""
