@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.host import HostWatch
 from benchmarks.metrics import (
     RequestRecord,
     cpu_per_token,
@@ -185,12 +186,14 @@ def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
         warm = Workload(workload.prompt_tokens, workload.output_tokens, len(warmup_prompts), 1)
         harness.run([list(tokenizer.encode(p)) for p in warmup_prompts], warm)
     cpu_start = time.process_time()
-    summary = harness.run(encode, workload)
+    with HostWatch() as host:
+        summary = harness.run(encode, workload)
     cpu_per_token(summary, time.process_time() - cpu_start)
     summary["prompt_tokens"] = sum(len(p) for p in encode[:summary["completed"]])
     target = {"engine": "mlx_lm BatchGenerator", "model": model_path,
               "detokenize": detokenize, **batch.__dict__}
-    return {"target": target, "workload": workload.as_dict(), "summary": summary}
+    return {"target": target, "workload": workload.as_dict(), "summary": summary,
+            "host": host.record()}
 
 
 def build_parser() -> argparse.ArgumentParser:

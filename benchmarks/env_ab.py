@@ -30,7 +30,7 @@ from benchmarks.ab import (
     resolve_model_path,
     rotated,
 )
-from benchmarks.host import HostWatch, describe
+from benchmarks.host import describe
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import BatchConfig, ServerProcess, blas_env, mlx_serve_command, spawn
@@ -112,14 +112,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     1000 * rnd + conc, None, args.run_time_limit)
                 prompts = build_prompts(tokenizer, count, args.prompt_tokens, workload.seed)
                 for name in rotated(tuple(names), rnd):
-                    with contextlib.ExitStack() as alone, HostWatch() as host:
+                    with contextlib.ExitStack() as alone:
                         server = (variants.start([name], alone)[name] if args.isolate
                                   else servers[name])
                         target = Target(server.base_url, request_timeout=60.0,
                                         health_probe=args.health_probe or None)
-                        summary = measured_load(server, target, workload, prompts)["summary"]
+                        result = measured_load(server, target, workload, prompts)
+                    summary = result["summary"]
                     runs.append({"round": rnd, "concurrency": conc, "variant": name,
-                                 "host": host.record(), "summary": summary})
+                                 "host": result["host"], "summary": summary})
                     print(f"round {rnd} c={conc:<4} {name:<32} tok/s "
                           f"{summary['output_throughput']:9.1f}  TTFT p50 "
                           f"{summary['ttft_ms']['p50'] or 0:8.2f}  TPOT p50 "

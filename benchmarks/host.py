@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 
 PROBE_LOOPS = 20_000  # about 1 ms of pure Python on these machines
 SAMPLE_PERIOD_S = 0.2
+FIRST_SAMPLE_TIMEOUT_S = 10.0
 _STEAL = 7  # user nice system idle iowait irq softirq steal (guest time is in user)
 
 
@@ -60,7 +62,8 @@ def steal_share(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -
 
 
 class HostWatch:
-    """``with HostWatch() as host: run()``; then ``host.record()`` for the run's JSON.
+    """``with HostWatch() as host: run()`` (or ``start()`` / ``stop()``), then
+    ``host.record()`` for the run's JSON.
 
     The probe runs in a child process of its own, once per ``period`` seconds through
     the run (about 0.5 % of one core), so it never holds the load generator's
@@ -73,17 +76,34 @@ class HostWatch:
         self._before: tuple[int, ...] | None = None
         self._after: tuple[int, ...] | None = None
         self._load = [0.0, 0.0]
+        self._sampler: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> HostWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start sampling: call right before the measured load (after any warm-up)."""
         self._sampler = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.host", "--period", str(self._period)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             cwd=Path(__file__).parent.parent)
+        # Its first sample, taken before the load begins, also says it is running: a
+        # load shorter than the sampler's start-up still gets one reading.
+        assert self._sampler.stdout is not None
+        if select.select([self._sampler.stdout], [], [], FIRST_SAMPLE_TIMEOUT_S)[0]:
+            line = self._sampler.stdout.readline().strip()
+            self._samples = [float(line)] if line else []
         self._load[0] = os.getloadavg()[0]
         self._before = cpu_times()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """Stop sampling (nothing to do if it never started)."""
+        if self._sampler is None or self._sampler.returncode is not None:
+            return
         self._after = cpu_times()
         self._load[1] = os.getloadavg()[0]
         self._sampler.terminate()
@@ -92,7 +112,7 @@ class HostWatch:
         except subprocess.TimeoutExpired:
             self._sampler.kill()
             out, _ = self._sampler.communicate()
-        self._samples = [float(line) for line in out.split()]
+        self._samples += [float(line) for line in out.split()]
 
     def record(self) -> dict[str, Any]:
         samples = sorted(self._samples)
