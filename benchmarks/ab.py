@@ -136,7 +136,7 @@ class ABRunner:
                     time.sleep(cfg.settle)
                     result = self.run_one(name, workload, prompts, warmup)
                     self.runs.append({"round": rnd, "concurrency": conc, "target": name,
-                                      "host": result.pop("host", None), "result": result})
+                                      "result": result})
                     print(format_runs(self.runs[-1:]), flush=True)
 
     def run_one(self, name: str, workload: Workload, prompts: list[str],
@@ -212,7 +212,7 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
                   prompts: list[str], warmup: tuple[str, ...] = ()) -> dict[str, Any]:
     """One load against ``server``; its summary gets the server's CPU per output token
     and, where the server counts them (mlx_serve), its batch steps, both read after the
-    warm-up requests, as is what the host gave the load (``host``). The server's /health
+    warm-up requests, as is what the host gave the load (its ``host``). The server's /health
     body at the end goes in ``health_after``."""
     start: dict[str, Any] = {}
     host = HostWatch()
@@ -225,7 +225,7 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
         result = run_async(run_load(target, workload, prompts, warmup, read_counters))
     finally:
         host.stop()
-    result["host"] = host.record()
+    result["summary"]["host"] = host.record()
     cpu_per_token(result["summary"], server.cpu_seconds() - start["cpu"])
     result["health_after"] = server.health()
     steps = steps_in(result["health_after"])

@@ -192,8 +192,8 @@ def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
     summary["prompt_tokens"] = sum(len(p) for p in encode[:summary["completed"]])
     target = {"engine": "mlx_lm BatchGenerator", "model": model_path,
               "detokenize": detokenize, **batch.__dict__}
-    return {"target": target, "workload": workload.as_dict(), "summary": summary,
-            "host": host.record()}
+    summary["host"] = host.record()
+    return {"target": target, "workload": workload.as_dict(), "summary": summary}
 
 
 def build_parser() -> argparse.ArgumentParser:

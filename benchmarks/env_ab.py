@@ -37,8 +37,9 @@ from benchmarks.servers import BatchConfig, ServerProcess, blas_env, mlx_serve_c
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 # Of report.METRICS; the step figures say whether a slower variant ran emptier batches
-# (fewer tokens a step) or slower steps.
-SHOWN = ("output tok/s", "TTFT p50", "TPOT p50", "CPU ms/token", "tokens/step", "ms/step")
+# (fewer tokens a step) or slower steps, the CPU probe whether the host ran it slower.
+SHOWN = ("output tok/s", "TTFT p50", "TPOT p50", "CPU ms/token", "tokens/step", "ms/step",
+         "CPU probe p50")
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -117,15 +118,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   else servers[name])
                         target = Target(server.base_url, request_timeout=60.0,
                                         health_probe=args.health_probe or None)
-                        result = measured_load(server, target, workload, prompts)
-                    summary = result["summary"]
+                        summary = measured_load(server, target, workload, prompts)["summary"]
                     runs.append({"round": rnd, "concurrency": conc, "variant": name,
-                                 "host": result["host"], "summary": summary})
+                                 "summary": summary})
                     print(f"round {rnd} c={conc:<4} {name:<32} tok/s "
                           f"{summary['output_throughput']:9.1f}  TTFT p50 "
                           f"{summary['ttft_ms']['p50'] or 0:8.2f}  TPOT p50 "
                           f"{summary['tpot_ms']['p50'] or 0:7.2f}  failed {summary['failed']}  "
-                          f"{describe(runs[-1]['host'])}", flush=True)
+                          f"{describe(summary.get('host'))}", flush=True)
     print(relative_table(runs, names))
     return {"argv": sys.argv[1:], "model": model, "variants": names, "runs": runs}
 

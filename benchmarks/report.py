@@ -28,6 +28,8 @@ METRICS: dict[str, Getter] = {
     "CPU ms/token": lambda s: s.get("cpu_ms_per_token"),
     "tokens/step": lambda s: s.get("tokens_per_step"),
     "ms/step": lambda s: s.get("ms_per_step"),
+    # The machine, not the contender: above 1, the host ran this contender's load slower.
+    "CPU probe p50": lambda s: (s.get("host") or {}).get("cpu_probe_ms", {}).get("p50"),
 }
 
 
@@ -121,7 +123,7 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
             f"round {run['round']} c={run['concurrency']:<3} {run['target']:<9} "
             f"ok {s['completed']:>4} fail {s['failed']:>3}  tok/s {s['output_throughput']:>8.1f}"
             f"  TTFT p50 {_num(s['ttft_ms']['p50'])}  ITL p50 {_num(s['itl_ms']['p50'])}"
-            f"  mean out {s['mean_output_tokens']}  {describe(run.get('host'))}".rstrip())
+            f"  mean out {s['mean_output_tokens']}  {describe(s.get('host'))}".rstrip())
     return "\n".join(lines)
 
 
