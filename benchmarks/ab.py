@@ -210,9 +210,9 @@ SERVER_COMMANDS = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
 
 def measured_load(server: ServerProcess, target: Target, workload: Workload,
                   prompts: list[str], warmup: tuple[str, ...] = ()) -> dict[str, Any]:
-    """One load against ``server``; its summary gets the server's CPU per output token
-    and, where the server counts them (mlx_serve), its batch steps, both read after the
-    warm-up requests, as is what the host gave the load (its ``host``). The server's /health
+    """One load against ``server``; its summary gets the server's CPU per output token,
+    where the server counts them (mlx_serve) its batch steps, and what the host gave the
+    load (``host``), all read from the end of the warm-up requests. The server's /health
     body at the end goes in ``health_after``."""
     start: dict[str, Any] = {}
     host = HostWatch()
