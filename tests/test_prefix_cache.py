@@ -149,3 +149,16 @@ async def test_a_new_conversation_reuses_the_shared_system_prompt(tiny_model_dir
         again = await generate(engine, second, max_tokens=4)
         assert 0 < again.cached_tokens <= common
         assert again.cached_tokens >= common - 1
+
+
+async def test_a_shared_prefix_shorter_than_the_minimum_is_not_reused(tiny_model_dir):
+    from mlx_serve.runner.prefix_cache import MIN_REUSED_TOKENS
+
+    async with running_engine(tiny_model_dir, prefix_cache_bytes=64 << 20) as engine:
+        first = [5 + i for i in range(48)]
+        await generate(engine, first, max_tokens=4)
+        # Unrelated prompts often share a token or two: no copy of the entry for those.
+        short = first[:MIN_REUSED_TOKENS - 1] + [200 + i for i in range(33)]
+        assert (await generate(engine, short, max_tokens=4)).cached_tokens == 0
+        enough = first[:MIN_REUSED_TOKENS + 4] + [300 + i for i in range(28)]
+        assert (await generate(engine, enough, max_tokens=4)).cached_tokens == MIN_REUSED_TOKENS + 4
