@@ -26,19 +26,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.metrics import percentiles
+
 PROBE_LOOPS = 20_000  # about 1 ms of pure Python on these machines
 SAMPLE_PERIOD_S = 0.2
 FIRST_SAMPLE_TIMEOUT_S = 10.0
 _STEAL = 7  # user nice system idle iowait irq softirq steal (guest time is in user)
 
 
-def probe_ms(loops: int = PROBE_LOOPS) -> float:
-    """How long a fixed arithmetic loop takes, in ms."""
+def probe_seconds(loops: int = PROBE_LOOPS) -> float:
+    """How long a fixed arithmetic loop takes."""
     started = time.perf_counter()
     acc = 0
     for i in range(loops):
         acc = (acc + i * i) % 1_000_003
-    return 1000 * (time.perf_counter() - started)
+    return time.perf_counter() - started
 
 
 def cpu_times(path: Path = Path("/proc/stat")) -> tuple[int, ...] | None:
@@ -115,10 +117,8 @@ class HostWatch:
         self._samples += [float(line) for line in out.split()]
 
     def record(self) -> dict[str, Any]:
-        samples = sorted(self._samples)
-        pick = (lambda q: round(samples[min(len(samples) - 1, int(q * len(samples)))], 3)
-                ) if samples else (lambda q: None)
-        return {"cpu_probe_ms": {"p50": pick(0.5), "p90": pick(0.9), "samples": len(samples)},
+        probe = {**percentiles(self._samples), "samples": len(self._samples)}
+        return {"cpu_probe_ms": probe,
                 "steal_share": steal_share(self._before, self._after),
                 "loadavg_1m": list(self._load)}
 
@@ -133,14 +133,14 @@ def describe(host: dict[str, Any] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.host [--period S]``: print one probe time (ms) per period."""
+    """``python -m benchmarks.host [--period S]``: print one probe time (s) per period."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.host", description=main.__doc__)
     p.add_argument("--period", type=float, default=SAMPLE_PERIOD_S)
     p.add_argument("--loops", type=int, default=PROBE_LOOPS)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
-        print(f"{probe_ms(args.loops):.4f}", flush=True)
+        print(f"{probe_seconds(args.loops):.7f}", flush=True)
         time.sleep(args.period)
 
 
