@@ -12,6 +12,10 @@ from "this contender is slower":
   hyperthread, a lower clock) shows here even when it steals no time: on the 2-vCPU
   test machine the same loop took 0.85 ms in some stretches of a few hundred ms and
   1.35-1.45 ms in others, idle and with no time stolen.
+
+``python -m benchmarks.host --per-cpu`` times the probe on every vCPU in turn instead:
+on the H200 machine each vCPU switches between two speeds on its own, so the floating
+probe reads only the vCPU it happens to land on.
 """
 
 from __future__ import annotations
@@ -132,16 +136,45 @@ def describe(host: dict[str, Any] | None) -> str:
     return f"probe {probe['p50']:.2f} [{probe['p90']:.2f}] ms steal {stolen}"
 
 
+def per_cpu_seconds(loops: int = PROBE_LOOPS) -> list[float]:
+    """The probe's time on every vCPU this process may use, pinned to each in turn.
+
+    On the H200 machine each vCPU switches between two speeds about 2x apart on its own,
+    within seconds, so one floating probe reads whichever vCPU it landed on; a sweep shows
+    the whole machine (Linux only).
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    times = []
+    try:
+        for cpu in allowed:
+            os.sched_setaffinity(0, {cpu})
+            times.append(probe_seconds(loops))
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.host [--period S]``: print one probe time (s) per period."""
+    """``python -m benchmarks.host [--period S] [--per-cpu] [--count N]``: print one probe
+    time (s) per period, or with ``--per-cpu`` one line per sweep of every vCPU."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.host", description=main.__doc__)
     p.add_argument("--period", type=float, default=SAMPLE_PERIOD_S)
     p.add_argument("--loops", type=int, default=PROBE_LOOPS)
+    p.add_argument("--per-cpu", action="store_true",
+                   help="time the probe on each vCPU in turn (pinned), one line per sweep")
+    p.add_argument("--count", type=int, default=None, help="stop after this many lines")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while True:
-        print(f"{probe_seconds(args.loops):.7f}", flush=True)
-        time.sleep(args.period)
+    printed = 0
+    while args.count is None or printed < args.count:
+        if args.per_cpu:
+            print(" ".join(f"{s:.7f}" for s in per_cpu_seconds(args.loops)), flush=True)
+        else:
+            print(f"{probe_seconds(args.loops):.7f}", flush=True)
+        printed += 1
+        if args.count is None or printed < args.count:
+            time.sleep(args.period)
+    return 0
 
 
 if __name__ == "__main__":

@@ -145,3 +145,17 @@ def test_the_host_watch_samples_the_cpu_probe_through_a_run_and_stops_its_sample
     assert watch._sampler.poll() is not None  # the sampler process has ended
     assert describe(record).startswith("probe ")
     assert describe(None) == ""
+
+
+def test_the_per_cpu_sweep_times_the_probe_on_every_allowed_vcpu(capsys):
+    import os
+
+    from benchmarks.host import main
+
+    allowed = os.sched_getaffinity(0)
+    assert main(["--per-cpu", "--count", "2", "--period", "0", "--loops", "2000"]) == 0
+    lines = capsys.readouterr().out.split("\n")[:-1]
+    assert len(lines) == 2
+    assert all(len(line.split()) == len(allowed) for line in lines)
+    assert all(0 < float(s) < 1 for line in lines for s in line.split())
+    assert os.sched_getaffinity(0) == allowed  # the sweep leaves the process unpinned
