@@ -43,6 +43,7 @@ from benchmarks.servers import (
     spawn,
     steps_in,
 )
+from benchmarks.threads import cpu_per_token_by_thread, thread_cpu_seconds
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -218,7 +219,8 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     host = HostWatch()
 
     def read_counters() -> None:
-        start.update(cpu=server.cpu_seconds(), steps=steps_in(server.health()))
+        start.update(cpu=server.cpu_seconds(), steps=steps_in(server.health()),
+                     threads=thread_cpu_seconds(server.pid))
         host.start()
 
     try:
@@ -227,6 +229,7 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
         host.stop()
     result["summary"]["host"] = host.record()
     cpu_per_token(result["summary"], server.cpu_seconds() - start["cpu"])
+    cpu_per_token_by_thread(result["summary"], start["threads"], thread_cpu_seconds(server.pid))
     result["health_after"] = server.health()
     steps = steps_in(result["health_after"])
     step_figures(result["summary"],

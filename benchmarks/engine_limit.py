@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from benchmarks.metrics import (
     step_figures,
     summarize,
 )
+from benchmarks.threads import cpu_per_token_by_thread, thread_cpu_seconds
 from benchmarks.workload import Workload, build_prompts
 
 
@@ -185,10 +187,12 @@ def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
     if warmup_prompts:
         warm = Workload(workload.prompt_tokens, workload.output_tokens, len(warmup_prompts), 1)
         harness.run([list(tokenizer.encode(p)) for p in warmup_prompts], warm)
-    cpu_start = time.process_time()
+    stepping = threading.get_native_id()  # the harness steps in this thread
+    cpu_start, threads_start = time.process_time(), thread_cpu_seconds(None, stepping)
     with HostWatch() as host:
         summary = harness.run(encode, workload)
     cpu_per_token(summary, time.process_time() - cpu_start)
+    cpu_per_token_by_thread(summary, threads_start, thread_cpu_seconds(None, stepping))
     summary["prompt_tokens"] = sum(len(p) for p in encode[:summary["completed"]])
     target = {"engine": "mlx_lm BatchGenerator", "model": model_path,
               "detokenize": detokenize, **batch.__dict__}

@@ -34,12 +34,13 @@ from benchmarks.host import describe
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import BatchConfig, ServerProcess, blas_env, mlx_serve_command, spawn
+from benchmarks.threads import describe_threads
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 # Of report.METRICS; the step figures say whether a slower variant ran emptier batches
 # (fewer tokens a step) or slower steps, the CPU probe whether the host ran it slower.
-SHOWN = ("output tok/s", "TTFT p50", "TPOT p50", "CPU ms/token", "tokens/step", "ms/step",
-         "CPU probe p50")
+SHOWN = ("output tok/s", "TTFT p50", "TPOT p50", "CPU ms/token", "CPU ms/token, main thread",
+         "CPU ms/token, stepping thread", "tokens/step", "ms/step", "CPU probe p50")
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -125,7 +126,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{summary['output_throughput']:9.1f}  TTFT p50 "
                           f"{summary['ttft_ms']['p50'] or 0:8.2f}  TPOT p50 "
                           f"{summary['tpot_ms']['p50'] or 0:7.2f}  failed {summary['failed']}  "
-                          f"{describe(summary.get('host'))}", flush=True)
+                          f"{describe(summary.get('host'))}  {describe_threads(summary)}",
+                          flush=True)
     print(relative_table(runs, names))
     return {"argv": sys.argv[1:], "model": model, "variants": names, "runs": runs}
 

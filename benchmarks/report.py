@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.host import describe
+from benchmarks.threads import describe_threads, role_cpu
 
 ENGINE, OURS, MLX_LM = "engine", "mlx_serve", "mlx_lm"
 PAIRS = ((OURS, ENGINE), (MLX_LM, ENGINE), (OURS, MLX_LM))
@@ -26,6 +27,10 @@ METRICS: dict[str, Getter] = {
     "ITL p95": lambda s: s["itl_ms"].get("p95"),
     "TPOT p50": lambda s: s["tpot_ms"]["p50"],
     "CPU ms/token": lambda s: s.get("cpu_ms_per_token"),
+    # mlx_serve's MLX thread against the engine harness's own: the same job, stepping.
+    "CPU ms/token, stepping thread": role_cpu("stepping"),
+    # mlx_serve's event loop (the engine harness has none: no ratio to it).
+    "CPU ms/token, main thread": role_cpu("main"),
     "tokens/step": lambda s: s.get("tokens_per_step"),
     "ms/step": lambda s: s.get("ms_per_step"),
     # The machine, not the contender: above 1, the host ran this contender's load slower.
@@ -123,7 +128,8 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
             f"round {run['round']} c={run['concurrency']:<3} {run['target']:<9} "
             f"ok {s['completed']:>4} fail {s['failed']:>3}  tok/s {s['output_throughput']:>8.1f}"
             f"  TTFT p50 {_num(s['ttft_ms']['p50'])}  ITL p50 {_num(s['itl_ms']['p50'])}"
-            f"  mean out {s['mean_output_tokens']}  {describe(s.get('host'))}".rstrip())
+            f"  mean out {s['mean_output_tokens']}  {describe(s.get('host'))}"
+            f"  {describe_threads(s)}".rstrip())
     return "\n".join(lines)
 
 

@@ -78,6 +78,13 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
     for run in report["runs"]:  # what the host gave each run was read through it
         probe = run["result"]["summary"]["host"]["cpu_probe_ms"]
         assert probe["samples"] >= 1 and probe["p50"] > 0
+    # CPU by thread: mlx_serve's event loop and its MLX thread (found by the name it
+    # gives its OS thread) did work; the engine harness steps in its only Python thread.
+    served_cpu = runs[ab.OURS]["summary"]["cpu_ms_per_token_by_thread"]
+    assert served_cpu["main"] > 0 and served_cpu["stepping"] > 0
+    engine_cpu = runs[ab.ENGINE]["summary"]["cpu_ms_per_token_by_thread"]
+    assert engine_cpu["stepping"] > 0 and engine_cpu["main"] == 0
+    assert report["ratios"]["2"]["CPU ms/token, stepping thread"]["mlx_serve/engine"]["n"] == 1
     assert report["ratios"]["2"]["CPU probe p50"]["mlx_serve/engine"]["n"] == 1
     served = runs[ab.OURS]
     assert served["health_after"]["state"] == "ready"
@@ -101,6 +108,7 @@ def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatc
         assert (r["summary"]["completed"], r["summary"]["failed"]) == (2, 0)
         assert r["summary"]["cpu_ms_per_token"] > 0
         assert r["summary"]["host"]["cpu_probe_ms"]["samples"] >= 1
+        assert r["summary"]["cpu_ms_per_token_by_thread"]["stepping"] > 0
 
 
 def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_model_dir):
