@@ -43,7 +43,7 @@ from benchmarks.servers import (
     spawn,
     steps_in,
 )
-from benchmarks.threads import cpu_per_token_by_thread, thread_cpu_seconds
+from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -220,7 +220,7 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
 
     def read_counters() -> None:
         start.update(cpu=server.cpu_seconds(), steps=steps_in(server.health()),
-                     threads=thread_cpu_seconds(server.pid))
+                     threads=thread_times(server.pid))
         host.start()
 
     try:
@@ -228,8 +228,11 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     finally:
         host.stop()
     result["summary"]["host"] = host.record()
-    cpu_per_token(result["summary"], server.cpu_seconds() - start["cpu"])
-    cpu_per_token_by_thread(result["summary"], start["threads"], thread_cpu_seconds(server.pid))
+    roles = cpu_by_role(server.pid, start["threads"], thread_times(server.pid))
+    # Threads' own clocks count nanoseconds where the process's counts 10 ms ticks.
+    cpu_per_token(result["summary"], sum(roles.values()) if roles is not None
+                  else server.cpu_seconds() - start["cpu"])
+    cpu_per_token_by_thread(result["summary"], roles)
     result["health_after"] = server.health()
     steps = steps_in(result["health_after"])
     step_figures(result["summary"],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import threading
@@ -32,7 +33,7 @@ from benchmarks.metrics import (
     step_figures,
     summarize,
 )
-from benchmarks.threads import cpu_per_token_by_thread, thread_cpu_seconds
+from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
 from benchmarks.workload import Workload, build_prompts
 
 
@@ -188,11 +189,12 @@ def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
         warm = Workload(workload.prompt_tokens, workload.output_tokens, len(warmup_prompts), 1)
         harness.run([list(tokenizer.encode(p)) for p in warmup_prompts], warm)
     stepping = threading.get_native_id()  # the harness steps in this thread
-    cpu_start, threads_start = time.process_time(), thread_cpu_seconds(None, stepping)
+    cpu_start, threads_start = time.process_time(), thread_times()
     with HostWatch() as host:
         summary = harness.run(encode, workload)
     cpu_per_token(summary, time.process_time() - cpu_start)
-    cpu_per_token_by_thread(summary, threads_start, thread_cpu_seconds(None, stepping))
+    pid = os.getpid()
+    cpu_per_token_by_thread(summary, cpu_by_role(pid, threads_start, thread_times(), stepping))
     summary["prompt_tokens"] = sum(len(p) for p in encode[:summary["completed"]])
     target = {"engine": "mlx_lm BatchGenerator", "model": model_path,
               "detokenize": detokenize, **batch.__dict__}

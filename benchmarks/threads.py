@@ -13,9 +13,9 @@ Roles, read from ``/proc/PID/task/*`` (Linux):
   prompts, mlx_lm.server's generation and handler threads.
 
 Time on CPU comes from ``schedstat`` (nanoseconds; ``stat``'s 10 ms ticks where it is
-missing), so short test runs still read something.
-Threads that end during a run take their CPU time with them, so the roles can add up to
-a little less than the process's own total.
+missing), so short runs still read something. A run's figure is each thread's time at
+its end less its time at the start (all of it for a thread that started meanwhile), so
+a thread that ends during the run is left out rather than counted backwards.
 """
 
 from __future__ import annotations
@@ -27,37 +27,24 @@ from typing import Any
 ROLES = ("main", "stepping", "other")
 MLX_THREAD_NAME = "mlx"  # the name mlx_serve gives its MLX thread (mlx_thread.py)
 
+Snapshot = dict[int, tuple[str, float]]  # thread id -> (name, CPU seconds so far)
 
-def thread_cpu_seconds(pid: int | None = None, stepping_tid: int | None = None
-                       ) -> dict[str, float] | None:
-    """CPU seconds so far by role for process ``pid`` (this one by default); None off
-    Linux or once the process has gone. ``stepping_tid`` names the stepping thread where
-    it has no name of its own (the engine harness's)."""
+
+def thread_times(pid: int | None = None) -> Snapshot | None:
+    """Every thread of process ``pid`` (this one by default) with its CPU time so far;
+    None off Linux or once the process has gone."""
     pid = os.getpid() if pid is None else pid
-    roles = dict.fromkeys(ROLES, 0.0)
     try:
         tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return None
-    named = []  # (tid, seconds) of the threads that carry the MLX thread's name
+    snapshot = {}
     for tid in tids:
         try:
-            name, seconds = _thread_name_and_cpu(f"/proc/{pid}/task/{tid}")
+            snapshot[tid] = _thread_name_and_cpu(f"/proc/{pid}/task/{tid}")
         except (OSError, ValueError):  # the thread ended meanwhile
             continue
-        if tid == stepping_tid:
-            roles["stepping"] += seconds
-        elif name == MLX_THREAD_NAME:
-            named.append((tid, seconds))
-        elif tid == pid:
-            roles["main"] += seconds
-        else:
-            roles["other"] += seconds
-    # Threads inherit their creator's name, so MLX's own workers, started from the MLX
-    # thread, are called "mlx" too; the MLX thread is the one created first.
-    for i, (_, seconds) in enumerate(sorted(named)):
-        roles["stepping" if i == 0 else "other"] += seconds
-    return roles
+    return snapshot
 
 
 def _thread_name_and_cpu(task: str) -> tuple[str, float]:
@@ -72,15 +59,31 @@ def _thread_name_and_cpu(task: str) -> tuple[str, float]:
         return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_per_token_by_thread(summary: dict[str, Any], before: dict[str, float] | None,
-                            after: dict[str, float] | None) -> None:
+def cpu_by_role(pid: int, before: Snapshot | None, after: Snapshot | None,
+                stepping_tid: int | None = None) -> dict[str, float] | None:
+    """CPU seconds by role between two snapshots of process ``pid``. ``stepping_tid``
+    names the stepping thread where it has no name of its own (the engine harness's)."""
+    if before is None or after is None:
+        return None
+    # Threads inherit their creator's name, so MLX's own workers, started from the MLX
+    # thread, are called "mlx" too; the MLX thread is the one created first.
+    named = sorted(tid for tid, (name, _) in after.items() if name == MLX_THREAD_NAME)
+    stepping = {stepping_tid, *named[:1]}
+    roles = dict.fromkeys(ROLES, 0.0)
+    for tid, (_, seconds) in after.items():
+        role = "stepping" if tid in stepping else "main" if tid == pid else "other"
+        roles[role] += seconds - before.get(tid, ("", 0.0))[1]
+    return roles
+
+
+def cpu_per_token_by_thread(summary: dict[str, Any], roles: dict[str, float] | None) -> None:
     """Record ``cpu_ms_per_token_by_thread`` (ms of CPU per output token by role)."""
     tokens = summary.get("output_tokens") or 0
-    if before is None or after is None or not tokens:
+    if roles is None or not tokens:
         summary["cpu_ms_per_token_by_thread"] = None
         return
     summary["cpu_ms_per_token_by_thread"] = {
-        role: round(1000 * (after[role] - before[role]) / tokens, 4) for role in ROLES}
+        role: round(1000 * roles[role] / tokens, 4) for role in ROLES}
 
 
 def role_cpu(role: str) -> Callable[[dict[str, Any]], float | None]:

@@ -167,3 +167,28 @@ def test_the_per_cpu_sweep_times_the_probe_on_every_allowed_vcpu(capsys):
     assert all(len(line.split()) == len(allowed) for line in lines)
     assert all(0 < float(s) < 1 for line in lines for s in line.split())
     assert os.sched_getaffinity(0) == allowed  # the sweep leaves the process unpinned
+
+
+def test_cpu_by_role_takes_per_thread_differences_and_finds_the_mlx_thread():
+    import os
+
+    from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
+
+    pid = 100
+    before = {100: ("python", 1.0), 101: ("mlx", 2.0), 105: ("mlx", 5.0),
+              107: ("python", 0.5), 109: ("python", 9.0)}
+    # 109 ended during the run; 110 started in it; 105 is a worker the MLX thread (101,
+    # the oldest of that name) started, so it inherited the name.
+    after = {100: ("python", 1.25), 101: ("mlx", 2.5), 105: ("mlx", 6.0),
+             107: ("python", 0.75), 110: ("python", 0.125)}
+    roles = cpu_by_role(pid, before, after)
+    assert roles == {"main": 0.25, "stepping": 0.5, "other": 1.0 + 0.25 + 0.125}
+    # A harness that steps in its main thread names it; it then has no "main".
+    assert cpu_by_role(pid, before, after, stepping_tid=100)["main"] == 0
+    assert cpu_by_role(pid, None, after) is None
+    summary = {"output_tokens": 250}
+    cpu_per_token_by_thread(summary, roles)
+    assert summary["cpu_ms_per_token_by_thread"] == {"main": 1.0, "stepping": 2.0,
+                                                     "other": 5.5}
+    here = thread_times()
+    assert here is not None and here[os.getpid()][1] > 0
