@@ -83,8 +83,9 @@ _PR_SET_NAME = 15  # linux/prctl.h
 
 def name_os_thread(name: str) -> None:
     """Give the calling OS thread ``name`` (Linux, 15 bytes at most), so that ``top -H``,
-    ``ps -L`` and ``/proc/PID/task/*/comm`` tell the MLX thread apart from MLX's own
-    workers. Python names only its own view of a thread before 3.14. Best effort."""
+    ``ps -L`` and ``/proc/PID/task/*/comm`` tell the MLX thread apart from the event loop.
+    Threads it starts later (MLX's own workers) inherit the name. Python names only its
+    own view of a thread before 3.14. Best effort."""
     if not sys.platform.startswith("linux"):
         return
     try:
