@@ -219,8 +219,7 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     host = HostWatch()
 
     def read_counters() -> None:
-        start.update(cpu=server.cpu_seconds(), steps=steps_in(server.health()),
-                     threads=thread_times(server.pid))
+        start.update(steps=steps_in(server.health()), threads=thread_times(server.pid))
         host.start()
 
     try:
@@ -228,10 +227,9 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     finally:
         host.stop()
     result["summary"]["host"] = host.record()
-    roles = cpu_by_role(server.pid, start["threads"], thread_times(server.pid))
     # Threads' own clocks count nanoseconds where the process's counts 10 ms ticks.
-    cpu_per_token(result["summary"], sum(roles.values()) if roles is not None
-                  else server.cpu_seconds() - start["cpu"])
+    roles = cpu_by_role(server.pid, start["threads"], thread_times(server.pid))
+    cpu_per_token(result["summary"], None if roles is None else sum(roles.values()))
     cpu_per_token_by_thread(result["summary"], roles)
     result["health_after"] = server.health()
     steps = steps_in(result["health_after"])

@@ -21,6 +21,7 @@ probe reads only the vCPU it happens to land on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import select
 import signal
@@ -165,15 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=None, help="stop after this many lines")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    printed = 0
-    while args.count is None or printed < args.count:
+    for line in itertools.count() if args.count is None else range(args.count):
+        if line:
+            time.sleep(args.period)
         if args.per_cpu:
             print(" ".join(f"{s:.7f}" for s in per_cpu_seconds(args.loops)), flush=True)
         else:
             print(f"{probe_seconds(args.loops):.7f}", flush=True)
-        printed += 1
-        if args.count is None or printed < args.count:
-            time.sleep(args.period)
     return 0
 
 

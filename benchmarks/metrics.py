@@ -55,15 +55,17 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return out
 
 
-def cpu_per_token(summary: dict[str, Any], cpu_seconds: float) -> None:
-    """Record a contender's CPU time over the run, in ms per output token.
+def cpu_per_token(summary: dict[str, Any], cpu_seconds: float | None) -> None:
+    """Record a contender's CPU time over the run, in ms per output token (None when
+    it could not be read: a server that has gone).
 
     Far steadier than throughput on a shared machine: it counts the work done, not how
     the scheduler spread it, so it shows one server's overhead next to another's.
     """
-    summary["cpu_s"] = round(cpu_seconds, 4)
+    summary["cpu_s"] = None if cpu_seconds is None else round(cpu_seconds, 4)
     tokens = summary.get("output_tokens") or 0
-    summary["cpu_ms_per_token"] = round(1000 * cpu_seconds / tokens, 4) if tokens else None
+    summary["cpu_ms_per_token"] = (round(1000 * cpu_seconds / tokens, 4)
+                                   if tokens and cpu_seconds is not None else None)
 
 
 def step_figures(summary: dict[str, Any], steps: int | None) -> None:

@@ -112,12 +112,6 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s; see {self.log_path}")
 
-    def cpu_seconds(self) -> float:
-        """CPU time the server process has used so far, every thread (Linux /proc)."""
-        with open(f"/proc/{self.pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     def health(self) -> dict[str, Any] | None:
         """The server's /health body (mlx_serve's carries MLX memory figures), or None."""
         try:
