@@ -64,7 +64,8 @@ def make_loader(settings: Settings, failpoints: FailPoints) -> Any:
         runner = load_runner(path, limits=limits, failpoints=failpoints,
                              max_context=settings.max_context,
                              prefix_cache_bytes=settings.prefix_cache_bytes,
-                             cache_limit_bytes=settings.mlx_cache_limit_bytes)
+                             cache_limit_bytes=settings.mlx_cache_limit_bytes,
+                             one_array_logprobs=settings.one_array_logprobs)
         log.info("model loaded: context %d tokens", runner.context_length)
         return runner
 

@@ -63,6 +63,11 @@ class Settings(BaseSettings):
         None, ge=0,
         description="most freed device memory MLX keeps for reuse (default: MLX's own limit)",
     )
+    one_array_logprobs: bool = Field(
+        True,
+        description="evaluate each decode step's log-probabilities as one array, not one "
+                    "per sequence as mlx-lm does (same output, shorter steps)",
+    )
     max_n: int = Field(16, ge=1, le=128, description="most choices (n x prompts) per request")
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] = Field(
         "reasoning", description="reply field(s) that carry a thinking model's reasoning"

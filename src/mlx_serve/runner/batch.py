@@ -19,6 +19,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machi
 
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Delta, GenerationRequest, StepOutcome
+from mlx_serve.runner.decode_step import use_one_array_step
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
@@ -68,6 +69,7 @@ class Runner:
         limits: BatchLimits,
         failpoints: FailPoints,
         prefix_cache_bytes: int = 0,
+        one_array_logprobs: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -89,6 +91,7 @@ class Runner:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         # Choices of one prompt wait for its first sequence's prefill, then reuse its KV.
         self._waiting_for_prefill: dict[tuple[int, ...], list[_Live]] = {}
+        self._one_array_logprobs = one_array_logprobs
         self._batch = self._new_batch()
         self._memory: dict[str, int] = {}
         self._memory_sampled = 0.0
@@ -213,13 +216,16 @@ class Runner:
     # -- internals ---------------------------------------------------------------------
 
     def _new_batch(self) -> BatchGenerator:
-        return BatchGenerator(
+        batch = BatchGenerator(
             self.model,
             completion_batch_size=self._limits.decode_batch_size,
             prefill_batch_size=self._limits.prefill_batch_size,
             prefill_step_size=self._limits.prefill_step_size,
             stream=self._stream,
         )
+        if self._one_array_logprobs:
+            use_one_array_step(batch)
+        return batch
 
     def _close_batch(self) -> None:
         try:
@@ -339,6 +345,7 @@ def _user_set(user: str | None) -> set[str]:
 def load_runner(
     path: str, *, limits: BatchLimits, failpoints: FailPoints, max_context: int | None = None,
     prefix_cache_bytes: int = 0, cache_limit_bytes: int | None = None,
+    one_array_logprobs: bool = True,
 ) -> Runner:
     """Load a model and build its runner. Call on the MLX thread."""
     from mlx_lm import load
@@ -353,4 +360,5 @@ def load_runner(
     context = max_context or config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH
     vocab = config.get("vocab_size") or len(tokenizer.get_vocab())
     return Runner(model, tokenizer, context_length=int(context), vocab_size=int(vocab),
-                  limits=limits, failpoints=failpoints, prefix_cache_bytes=prefix_cache_bytes)
+                  limits=limits, failpoints=failpoints, prefix_cache_bytes=prefix_cache_bytes,
+                  one_array_logprobs=one_array_logprobs)
