@@ -71,6 +71,9 @@ class ABConfig:
     rate: float | None = None  # open loop (Poisson arrivals); concurrency is then the cap
     settle: float = 0.0  # seconds of quiet before every measured run
     isolate: bool = False  # start each server for its own run only: one MLX process at a time
+    # The engine harness steps with mlx_serve's decode step, not mlx-lm's own: the ratio
+    # is then the server's overhead alone.
+    engine_one_array_logprobs: bool = False
 
     def workload(self, concurrency: int, seed: int) -> Workload:
         n = max(self.min_requests, self.requests_per_stream * concurrency)
@@ -183,6 +186,7 @@ class ABRunner:
                "--prefill-batch-size", str(b.prefill_batch_size),
                "--prefill-step-size", str(b.prefill_step_size),
                *cache_limit_flag(b),
+               *(["--one-array-logprobs"] if self.config.engine_one_array_logprobs else []),
                "--prompts-file", str(prompts_file), "--json", str(out)]
         with open(self.workdir / "engine.log", "ab") as log:
             subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
@@ -335,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--isolate", action="store_true",
                    help="start each server for its own run only (warmed each time), so one "
                         "MLX process holds the device at a time")
+    p.add_argument("--engine-one-array-logprobs", action="store_true",
+                   help="the engine harness steps with mlx_serve's decode step instead of "
+                        "mlx-lm's own (the ratio is then the server's overhead alone)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
     p.add_argument("--rss-run", type=int, default=None, metavar="N",
                    help="memory mode: N requests against mlx_serve, RSS drift")
@@ -360,7 +367,8 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
                           args.prefill_step_size, args.mlx_cache_limit_bytes),
         api=args.api, stream=args.stream, run_time_limit=args.run_time_limit,
         health_probe=args.health_probe or None, targets=tuple(args.targets.split(",")),
-        blas=args.blas, rate=args.rate, settle=args.settle, isolate=args.isolate)
+        blas=args.blas, rate=args.rate, settle=args.settle, isolate=args.isolate,
+        engine_one_array_logprobs=args.engine_one_array_logprobs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,9 @@ class BatchSettings:
     decode_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
+    # mlx_serve's decode step (log-probabilities evaluated as one array) in place of
+    # mlx-lm's: the engine that mlx_serve drives, rather than the stock one.
+    one_array_logprobs: bool = False
 
 
 @dataclass
@@ -66,10 +69,16 @@ class EngineHarness:
     def _generator(self) -> Any:
         from mlx_lm.generate import BatchGenerator
 
-        return BatchGenerator(self.model,
-                              completion_batch_size=self.batch.decode_batch_size,
-                              prefill_batch_size=self.batch.prefill_batch_size,
-                              prefill_step_size=self.batch.prefill_step_size)
+        gen = BatchGenerator(self.model,
+                             completion_batch_size=self.batch.decode_batch_size,
+                             prefill_batch_size=self.batch.prefill_batch_size,
+                             prefill_step_size=self.batch.prefill_step_size)
+        if self.batch.one_array_logprobs:
+            from mlx_serve.runner.decode_step import use_one_array_step
+
+            if not use_one_array_step(gen):
+                raise RuntimeError("this mlx-lm has no one-array decode step")
+        return gen
 
     def run(self, prompts: list[list[int]], workload: Workload) -> dict[str, Any]:
         """Run ``prompts`` (token ids) under the workload's arrival pattern; summarize."""
@@ -218,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-batch-size", type=int, default=8)
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--one-array-logprobs", action="store_true",
+                   help="step with mlx_serve's decode step instead of mlx-lm's own")
     p.add_argument("--prompts-file", default=None,
                    help='JSON {"prompts": [...], "warmup": [...]} (overrides --seed)')
     p.add_argument("--mlx-cache-limit-bytes", type=int, default=None,
@@ -243,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(args.prompt_tokens, args.output_tokens, args.num_requests,
                         args.concurrency, args.seed, args.rate, args.time_limit)
     batch = BatchSettings(args.decode_batch_size, args.prefill_batch_size,
-                          args.prefill_step_size)
+                          args.prefill_step_size, args.one_array_logprobs)
     prompts, warmup = _prompts(args)
     result = run_engine_limit(args.model, workload, batch, prompts, warmup, args.detokenize,
                               args.mlx_cache_limit_bytes)

@@ -61,11 +61,13 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
                          prompt_tokens=16, output_tokens=8, requests_per_stream=1,
                          min_requests=2, batch=ab.BatchConfig(8, 8, 512),
                          run_time_limit=60.0, health_probe=None, blas="reference",
-                         targets=(ab.ENGINE, ab.OURS), isolate=True)
+                         targets=(ab.ENGINE, ab.OURS), isolate=True,
+                         engine_one_array_logprobs=True)
     report = ab.run_ab(config, None, ["--isolate"])
     assert "error" not in report
     runs = {r["target"]: r["result"] for r in report["runs"]}
     assert set(runs) == {ab.ENGINE, ab.OURS}
+    assert runs[ab.ENGINE]["target"]["one_array_logprobs"] is True  # the server's step
     for result in runs.values():
         summary = result["summary"]
         assert (summary["completed"], summary["failed"]) == (2, 0)
