@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -121,6 +122,19 @@ def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_m
     assert all(r["step_ms"] > 0 and 0 < r["async_eval_share"] < 1 for r in rows)
     # The spinner made progress while MLX ran: its rate is measured, not assumed.
     assert all(r["spinner_rate"] > 0 for r in rows if r["spinner"])
+
+
+def test_the_decode_step_comparison_times_both_steps_and_finds_the_same_tokens(
+        tiny_model_dir, tmp_path):
+    from benchmarks import decode_step
+
+    out = tmp_path / "steps.json"
+    assert decode_step.main(["--model", str(tiny_model_dir), "--batches", "3",
+                             "--steps", "4", "--rounds", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 3 and row["same_tokens"] is True
+    for name in ("mlx_lm", "one_array"):
+        assert row[name]["ms_per_step"] > 0 and row[name]["cpu_ms_per_step"] >= 0
 
 
 def test_steal_share_is_read_from_the_cpu_line_of_proc_stat(tmp_path):
