@@ -26,6 +26,8 @@ async def test_the_load_generator_counts_streamed_tokens_and_probes_health(
     assert summary["ttft_ms"]["p50"] > 0 and summary["output_throughput"] > 0
     assert summary["client_cpu"] > 0
     assert summary["health"]["probes"] > 0 and summary["health"]["failed"] == 0
+    assert len(summary["health"]["in_order_ms"]) == summary["health"]["probes"]
+    assert max(summary["health"]["in_order_ms"]) > 0
 
 
 async def test_a_server_that_is_not_there_fails_every_request_without_hanging():
