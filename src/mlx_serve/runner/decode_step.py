@@ -4,8 +4,9 @@ mlx-lm 0.32's ``GenerationBatch._step`` splits the step's ``[batch, vocab]``
 log-probabilities into one row array per sequence and evaluates every row, then waits
 for every row again in the next step. Each row is an array of its own for MLX's
 scheduler, so a batch of 128 costs 256 array evaluations a step beside the model's own.
-On the CPU (tiny model, batch 64-128) steps were 6-18 % shorter without them in 5 of 6
-pairs (benchmarks/README.md, "The one-array decode step").
+Without them steps were 6-18 % shorter in 5 of 6 pairs on the CPU (tiny model, batch
+64-128) and 0.87 [0.77-1.07] as long on an H200 (1B, batch 128, 6 pairs); see
+benchmarks/README.md, "The one-array decode step".
 
 ``one_array_step`` is the same step, line for line, except that it evaluates the
 log-probabilities as the one array they are. The rows handed back are still one array
