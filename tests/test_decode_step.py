@@ -50,7 +50,6 @@ def _record_generation(model, one_array: bool) -> list[tuple[int, int, np.ndarra
     return seen
 
 
-@pytest.mark.timeout(120)
 def test_one_array_step_matches_mlx_lm_step_token_for_token_and_logprob_for_logprob(
     tiny_model_dir: Path,
 ):

@@ -83,10 +83,6 @@ def one_array_step(self: Any) -> tuple[list[int], list[mx.array]]:
     return token_list, self._current_logprobs
 
 
-def mirrors_installed_mlx_lm() -> bool:
-    return mlx_lm.__version__ == MIRRORED_RELEASE
-
-
 def use_one_array_step(batch_generator: Any) -> bool:
     """Make ``batch_generator``'s decode batch step with ``one_array_step``.
 
@@ -94,7 +90,7 @@ def use_one_array_step(batch_generator: Any) -> bool:
     so one override per generator is enough. With an mlx-lm this step does not mirror,
     the stock step stays; returns whether the override is in place.
     """
-    if not mirrors_installed_mlx_lm():
+    if mlx_lm.__version__ != MIRRORED_RELEASE:
         log.warning("mlx-lm %s: keeping its own decode step (the one-array step mirrors %s)",
                     mlx_lm.__version__, MIRRORED_RELEASE)
         return False
