@@ -138,8 +138,13 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
     if summary.get("health"):
         h = summary["health"]
         lat = h["latency_ms"]
-        lines.append(f"/health probes {h['probes']} (failed {h['failed']}): "
-                     f"p50 {_fmt(lat['p50'])} ms  p99 {_fmt(lat['p99'])} ms")
+        line = (f"/health probes {h['probes']} (failed {h['failed']}): "
+                f"p50 {_fmt(lat['p50'])} ms  p99 {_fmt(lat['p99'])} ms")
+        in_order = h.get("in_order_ms") or []
+        if in_order:  # where the slowest was: in a short run, the start burst's probe
+            slowest = max(range(len(in_order)), key=in_order.__getitem__)
+            line += f"  max {in_order[slowest]:.1f} ms (probe {slowest + 1})"
+        lines.append(line)
     for error, count in summary["errors"].items():
         lines.append(f"  error x{count}: {error}")
     return "\n".join(lines)

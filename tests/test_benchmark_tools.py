@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks.env_ab import parse_variant, relative_table
 from benchmarks.loadgen import Target, run_load
+from benchmarks.metrics import format_table
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -28,6 +29,8 @@ async def test_the_load_generator_counts_streamed_tokens_and_probes_health(
     assert summary["health"]["probes"] > 0 and summary["health"]["failed"] == 0
     assert len(summary["health"]["in_order_ms"]) == summary["health"]["probes"]
     assert max(summary["health"]["in_order_ms"]) > 0
+    slowest = max(summary["health"]["in_order_ms"])
+    assert f"max {slowest:.1f} ms" in format_table(summary, "run")
 
 
 async def test_a_server_that_is_not_there_fails_every_request_without_hanging():
