@@ -1,10 +1,13 @@
-"""Request preparation on the event loop goes one call per loop turn; long input to a thread."""
+"""Request preparation on the event loop: a budget per loop turn; long input to a thread."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import anyio
@@ -15,7 +18,7 @@ import pytest
 from mlx_serve import request_building, routes
 from mlx_serve.app import create_app
 from mlx_serve.config import Settings
-from mlx_serve.intake import INLINE_TEXT_CHARS, Intake
+from mlx_serve.intake import INLINE_TEXT_CHARS, Intake, IntakeGate
 
 pytestmark = pytest.mark.anyio
 T = TypeVar("T")
@@ -41,21 +44,48 @@ async def test_short_input_stays_on_the_event_loop_and_long_input_goes_to_a_thre
     assert await intake.by_size(None, threading.get_ident) != loop_thread
 
 
-async def test_calls_started_together_run_in_turns_of_the_loop_of_their_own():
-    intake, turns = Intake(), LoopTurns()
-    seen: list[int] = []
+async def burst_turns(intake: Intake, calls: int, work: Callable[[], None]) -> list[int]:
+    """The loop turn of each of ``calls`` calls started together, in the order they ran."""
+    turns = LoopTurns()
+    seen: list[tuple[int, int]] = []
 
-    def record() -> None:
-        seen.append(turns.count)
+    def record(index: int) -> None:
+        seen.append((index, turns.count))
+        work()
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(turns.run)
             async with anyio.create_task_group() as burst:
-                for _ in range(20):  # all start in the same turn
-                    burst.start_soon(intake.on_loop, record)
+                for index in range(calls):  # all start in the same turn
+                    burst.start_soon(intake.on_loop, record, index)
             tg.cancel_scope.cancel()
-    assert len(seen) == 20 and len(set(seen)) == 20, seen
+    assert [index for index, _ in seen] == list(range(calls))  # in the order they came
+    return [turn for _, turn in seen]
+
+
+def busy(seconds: float) -> Callable[[], None]:
+    def work() -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    return work
+
+
+async def test_calls_that_use_up_a_turns_budget_go_on_in_the_next_turn():
+    turns = await burst_turns(Intake(budget=0.003), 10, busy(0.001))
+    per_turn = Counter(turns)
+    assert max(per_turn.values()) <= 3 and len(per_turn) >= 4, turns
+
+
+async def test_cheap_calls_share_a_turn():
+    turns = await burst_turns(Intake(budget=0.005), 20, lambda: None)
+    assert len(set(turns)) == 1, turns
+
+
+async def test_a_zero_budget_gives_every_call_a_turn_of_its_own():
+    turns = await burst_turns(Intake(budget=0.0), 10, lambda: None)
+    assert len(set(turns)) == 10, turns
 
 
 async def test_a_long_input_in_a_thread_does_not_hold_up_short_ones():
@@ -79,7 +109,7 @@ async def test_a_long_input_in_a_thread_does_not_hold_up_short_ones():
     assert results == ["short", "long"]
 
 
-async def test_a_burst_of_chat_requests_is_parsed_and_rendered_one_per_loop_turn(
+async def test_a_burst_of_chat_requests_is_parsed_and_rendered_through_the_intake(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch):
     turns = LoopTurns()
     parsed: list[int] = []
@@ -105,6 +135,7 @@ async def test_a_burst_of_chat_requests_is_parsed_and_rendered_one_per_loop_turn
         async with app.router.lifespan_context(app), httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             await app.state.server.engine.ready.wait()
+            app.state.server.intake = Intake(budget=0.0)  # a turn per call, to see each
             async with anyio.create_task_group() as tg:
                 tg.start_soon(turns.run)
                 async with anyio.create_task_group() as burst:
@@ -114,3 +145,26 @@ async def test_a_burst_of_chat_requests_is_parsed_and_rendered_one_per_loop_turn
     assert statuses == [200] * 12
     assert len(parsed) == len(rendered) == 12
     assert len(set(parsed)) == 12 and len(set(rendered)) == 12, (parsed, rendered)
+
+
+async def test_the_gate_admits_posts_through_the_intake_and_lets_other_requests_pass():
+    turns = LoopTurns()
+    seen: list[tuple[str, int]] = []
+
+    async def endpoint(scope: dict, receive: Any, send: Any) -> None:
+        seen.append((scope["method"], turns.count))
+
+    gate = IntakeGate(endpoint)  # type: ignore[arg-type]
+    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(intake=Intake(0.0))))
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(turns.run)
+            async with anyio.create_task_group() as burst:
+                for method in ("POST",) * 5 + ("GET",) * 5:  # all start in the same turn
+                    scope = {"type": "http", "method": method, "app": app}
+                    burst.start_soon(gate, scope, None, None)
+            tg.cancel_scope.cancel()
+    posts = [turn for method, turn in seen if method == "POST"]
+    gets = [turn for method, turn in seen if method == "GET"]
+    assert len(set(posts)) == 5  # a zero budget: a turn each
+    assert len(gets) == 5 and set(gets) == {posts[0]}  # at once, in the first turn
