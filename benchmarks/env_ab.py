@@ -20,6 +20,7 @@ import contextlib
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from benchmarks.host import describe
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import BatchConfig, ServerProcess, blas_env, mlx_serve_command, spawn
+from benchmarks.stalls import describe_stalls, read_stalls, with_stall_log
 from benchmarks.threads import describe_threads
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
@@ -73,7 +75,8 @@ class _Variants:
         self.tokenizer = tokenizer
         self.batch = BatchConfig(args.decode_batch_size, args.prefill_batch_size,
                                  args.prefill_step_size)
-        self.extra = {_name(env): env for env in args.variant}
+        self.extra = {_name(env): with_stall_log(env) if args.stalls else env
+                      for env in args.variant}
         self.started = 0
 
     def start(self, names: list[str], stack: contextlib.ExitStack) -> dict[str, ServerProcess]:
@@ -119,14 +122,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   else servers[name])
                         target = Target(server.base_url, request_timeout=60.0,
                                         health_probe=args.health_probe or None)
+                        began = time.time()
                         summary = measured_load(server, target, workload, prompts)["summary"]
+                        if args.stalls:
+                            summary["stalls"] = read_stalls(server.log_path, began, time.time())
                     runs.append({"round": rnd, "concurrency": conc, "variant": name,
                                  "summary": summary})
                     print(f"round {rnd} c={conc:<4} {name:<32} tok/s "
                           f"{summary['output_throughput']:9.1f}  TTFT p50 "
                           f"{summary['ttft_ms']['p50'] or 0:8.2f}  TPOT p50 "
                           f"{summary['tpot_ms']['p50'] or 0:7.2f}  failed {summary['failed']}  "
-                          f"{describe(summary.get('host'))}  {describe_threads(summary)}",
+                          f"{describe(summary.get('host'))}  {describe_threads(summary)}  "
+                          f"{describe_stalls(summary.get('stalls'))}",
                           flush=True)
     print(relative_table(runs, names))
     return {"argv": sys.argv[1:], "model": model, "variants": names, "runs": runs}
@@ -152,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-probe", type=float, default=0.0, help="seconds; 0 disables")
     p.add_argument("--run-time-limit", type=float, default=120.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--stalls", action="store_true",
+                   help="log each server's event-loop, lock and GC stalls (benchmarks/stalls.py)"
+                        " and report the worst of each run")
     p.add_argument("--isolate", action="store_true",
                    help="start each server for its own run only (one MLX process at a time)")
     p.add_argument("--out", default=None, help="results JSON")

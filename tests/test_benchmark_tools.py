@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
+import anyio
 import pytest
 
 from benchmarks.env_ab import parse_variant, relative_table
@@ -113,11 +115,12 @@ def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatc
         "--variant", "MLX_SERVE_STREAM_INTERVAL=4", "--isolate", "--concurrency", "2",
         "--rounds", "1", "--prompt-tokens", "16", "--output-tokens", "8",
         "--min-requests", "2", "--requests-per-stream", "1", "--decode-batch-size", "8",
-        "--run-time-limit", "60"])
+        "--run-time-limit", "60", "--stalls"])
     report = env_ab.run(args)
     assert [r["variant"] for r in report["runs"]] == ["-", "MLX_SERVE_STREAM_INTERVAL=4"]
     for r in report["runs"]:
         assert (r["summary"]["completed"], r["summary"]["failed"]) == (2, 0)
+        assert r["summary"]["stalls"]["watched"]  # the server ran with the stall log
         assert r["summary"]["cpu_ms_per_token"] > 0
         assert r["summary"]["host"]["cpu_probe_ms"]["samples"] >= 1
         assert r["summary"]["cpu_ms_per_token_by_thread"]["stepping"] > 0
@@ -217,3 +220,33 @@ def test_cpu_by_role_takes_per_thread_differences_and_finds_the_mlx_thread():
                                                      "other": 5.5}
     here = thread_times()
     assert here is not None and here[os.getpid()][1] > 0
+
+
+async def test_the_loop_watch_reports_a_loop_held_by_blocking_work(capsys):
+    from benchmarks.stalls import watch_loop
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_loop)
+            await anyio.sleep(0.01)  # the watch is waiting on its timer
+            time.sleep(0.05)  # holds the loop: the watch's timer fires 50 ms late
+            await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    lines = [line.split() for line in capsys.readouterr().err.splitlines()]
+    late = [float(f[3]) for f in lines if f[:1] == ["mlx-serve-stall"] and f[2] == "loop"]
+    assert late and max(late) >= 40, lines
+
+
+def test_stalls_are_read_from_a_time_window_of_the_log(tmp_path):
+    from benchmarks.stalls import read_stalls
+
+    log = tmp_path / "server.log"
+    log.write_text("mlx-serve-stall 99.0 watching 0.0 \n"
+                   "INFO something else\n"
+                   "mlx-serve-stall 100.5 loop 12.0 \n"
+                   "mlx-serve-stall 101.0 loop 30.5 \n"
+                   "mlx-serve-stall 101.5 gc 14.2 gen2\n"
+                   "mlx-serve-stall 102.5 lock 80.0 \n")
+    stalls = read_stalls(log, 100.0, 102.0)
+    assert stalls == {"watched": True, "loop_max_ms": 30.5, "loop_count": 2,
+                      "lock_max_ms": 0.0, "lock_count": 0, "gc": ["gen2 14.2"]}
