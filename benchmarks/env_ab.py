@@ -11,6 +11,10 @@ holds the device at a time.
     python -m benchmarks.env_ab --model default-f32 --concurrency 1,8 --rounds 2 \\
         --variant OPENBLAS_NUM_THREADS=1 --variant OPENBLAS_NUM_THREADS=2
     python -m benchmarks.env_ab --model DIR --variant MLX_SERVE_DECODE_BATCH_SIZE=64 ...
+    python -m benchmarks.env_ab --stalls --variant PYTHONPATH=COPY_A --variant PYTHONPATH=COPY_B
+
+With --stalls each server logs its event-loop, interpreter-lock and garbage-collection
+stalls (benchmarks/stalls.py) and every run reports its worst.
 """
 
 from __future__ import annotations
