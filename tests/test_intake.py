@@ -88,6 +88,43 @@ async def test_a_zero_budget_gives_every_call_a_turn_of_its_own():
     assert len(set(turns)) == 10, turns
 
 
+async def test_a_burst_wakes_each_waiter_about_once():
+    intake = Intake(budget=0.003)
+
+    async def request(index: int, order: list[int]) -> None:
+        await intake.admit()
+        order.append(index)
+        busy(0.001)()
+
+    order: list[int] = []
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for index in range(60):
+                tg.start_soon(request, index, order)
+    assert order == list(range(60))
+    # Waking every waiter each turn would take ~60 * 20 / 2 wake-ups.
+    assert intake.wakeups <= 2 * 60, intake.wakeups
+
+
+async def test_a_waiter_cancelled_in_line_does_not_hold_up_the_others():
+    intake = Intake(budget=0.0)
+    done: list[int] = []
+
+    async def request(index: int) -> None:
+        await intake.admit()
+        done.append(index)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for index in range(5):
+                tg.start_soon(request, index)
+            async with anyio.create_task_group() as doomed:
+                doomed.start_soon(request, 99)
+                await anyio.lowlevel.checkpoint()  # it is in line now
+                doomed.cancel_scope.cancel()
+    assert done == [0, 1, 2, 3, 4]
+
+
 async def test_a_long_input_in_a_thread_does_not_hold_up_short_ones():
     intake = Intake()
     release = threading.Event()
