@@ -4,8 +4,8 @@ Decoding a request's JSON, validating it and tokenizing a short prompt take 0.3-
 of event-loop time, and a task runs until it first waits. A burst of 128 arrivals thus
 did all of that in one turn of the loop, and whatever became ready meanwhile (a
 ``/health`` probe, the next chunk of every open stream) waited behind all of it: on a
-two-core CPU host the loop stood still for up to 36-106 ms in such bursts, 14-27 ms
-with the budget (benchmarks/README.md). Now each POST is admitted, and each piece of its
+two-core CPU host the loop stood still for up to 33-106 ms in such bursts, 10-17 ms
+paced (benchmarks/README.md). Now each POST is admitted, and each piece of its
 preparation runs, only while less than ``budget`` has passed since the turn's first
 admission. The rest waits for the next turn, after the loop has polled its sockets and
 run its other ready tasks; there the tasks that waited are ahead of newer arrivals.
