@@ -38,12 +38,22 @@ def _log(kind: str, seconds: float, detail: str = "") -> None:
     sys.stderr.flush()
 
 
-def with_stall_log(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the stall log's directory and this checkout first on PYTHONPATH."""
+def with_stall_log(env: dict[str, str], traces: bool = False) -> dict[str, str]:
+    """``env`` with the stall log's directory and this checkout first on PYTHONPATH.
+
+    ``traces``: each stall also logs where it happened (``TRACES_ENV``)."""
     root = str(STALL_LOG_DIR.parent.parent)
     rest = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(STALL_LOG_DIR), root, rest)
-                                                if p)}
+    path = os.pathsep.join(p for p in (str(STALL_LOG_DIR), root, rest) if p)
+    return {**env, "PYTHONPATH": path, **({TRACES_ENV: "1"} if traces else {})}
+
+
+# With this set, a loop stall logs the event loop thread's stack as seen from another
+# thread once it is 10 ms late, and a lock stall makes faulthandler dump every thread's
+# stack (from its own thread, which needs no lock) once 15 ms have passed: the thread
+# holding the lock is the one inside a call into C.
+TRACES_ENV = "STALL_TRACES"
+_heartbeat = [0.0]
 
 
 async def watch_loop(late: float = LATE_S) -> None:
@@ -51,17 +61,39 @@ async def watch_loop(late: float = LATE_S) -> None:
     import anyio
 
     while True:
-        start = time.perf_counter()
+        start = _heartbeat[0] = time.perf_counter()
         await anyio.sleep(0.001)
         behind = time.perf_counter() - start - 0.001
         if behind > late:
             _log("loop", behind)
 
 
-def _watch_lock(late: float) -> None:
-    while True:
+def trace_loop(thread_id: int, late: float, stop: threading.Event) -> None:
+    """Log the loop thread's stack once per stall, while it is late; until ``stop``."""
+    import traceback
+
+    traced = 0.0
+    while not stop.wait(0.002):
+        beat = _heartbeat[0]
+        if beat and beat != traced and time.perf_counter() - beat > late:
+            traced = beat
+            frame = sys._current_frames().get(thread_id)
+            stack = "".join(traceback.format_stack(frame, limit=12)) if frame else "?"
+            _log("loop-trace", time.perf_counter() - beat,
+                 "\n" + "\n".join("    " + line for line in stack.splitlines()))
+
+
+def watch_lock(late: float, traces: bool, stop: threading.Event) -> None:
+    """Log every time this thread gets the interpreter lock back ``late``; until ``stop``."""
+    import faulthandler
+
+    while not stop.is_set():
         start = time.perf_counter()
+        if traces:
+            faulthandler.dump_traceback_later(late + 0.005, file=sys.stderr)
         time.sleep(0.001)
+        if traces:
+            faulthandler.cancel_dump_traceback_later()
         behind = time.perf_counter() - start - 0.001
         if behind > late:
             _log("lock", behind)
@@ -81,9 +113,15 @@ def _gc_callback() -> Callable[[str, dict[str, Any]], None]:
 def install() -> None:
     """Start the three watches in this process (mlx_serve's app runs the loop's)."""
     _log("watching", 0.0)
+    traces = os.environ.get(TRACES_ENV) == "1"
     gc.callbacks.append(_gc_callback())
-    threading.Thread(target=_watch_lock, args=(LATE_S,), daemon=True,
+    never = threading.Event()  # the watches last as long as the process
+    threading.Thread(target=watch_lock, args=(LATE_S, traces, never), daemon=True,
                      name="stall-lock-watch").start()
+    if traces:  # uvicorn runs the event loop in the main thread
+        threading.Thread(target=trace_loop, args=(threading.main_thread().ident, LATE_S,
+                                                  never),
+                         daemon=True, name="stall-loop-trace").start()
     import anyio
 
     import mlx_serve.app as app_module

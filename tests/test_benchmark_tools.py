@@ -250,3 +250,48 @@ def test_stalls_are_read_from_a_time_window_of_the_log(tmp_path):
     stalls = read_stalls(log, 100.0, 102.0)
     assert stalls == {"watched": True, "loop_max_ms": 30.5, "loop_count": 2,
                       "lock_max_ms": 0.0, "lock_count": 0, "gc": ["gen2 14.2"]}
+
+
+def _blocks_the_loop_for_50_ms() -> None:
+    time.sleep(0.05)
+
+
+async def test_a_loop_stall_is_traced_to_the_code_that_held_the_loop(capsys):
+    import threading
+
+    from benchmarks.stalls import trace_loop, watch_loop
+
+    stop = threading.Event()
+    tracer = threading.Thread(target=trace_loop, args=(threading.get_ident(), 0.01, stop))
+    tracer.start()
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_loop)
+                await anyio.sleep(0.01)
+                _blocks_the_loop_for_50_ms()
+                await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+    finally:
+        stop.set()
+        tracer.join(10)
+    err = capsys.readouterr().err
+    assert " loop-trace " in err and "_blocks_the_loop_for_50_ms" in err, err
+
+
+def test_a_lock_held_in_c_makes_every_threads_stack_dumped(capfd):
+    import threading
+
+    from benchmarks.stalls import watch_lock
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_lock, args=(0.01, True, stop))
+    watcher.start()
+    try:
+        time.sleep(0.01)  # the watch is sleeping
+        sum(range(20_000_000))  # one call into C: the lock is not handed over meanwhile
+    finally:
+        stop.set()
+        watcher.join(10)
+    err = capfd.readouterr().err
+    assert "Timeout" in err and "test_a_lock_held_in_c_makes" in err and " lock " in err, err
