@@ -9,7 +9,10 @@ the process then logs to its stderr, one line each:
 - ``lock``: a plain thread sleeping 1 ms got the interpreter lock back more than 10 ms
   late (a C call or a collection held it);
 - ``gc``: a garbage collection took more than 3 ms (the generation is in the line);
-- ``watching``: once, at start.
+- ``watching``: once, at start;
+- with ``STALL_TRACES=1`` (``with_stall_log(env, traces=True)``) also ``loop-trace``,
+  the event loop thread's stack during a loop stall, and faulthandler's dump of every
+  thread during a lock stall.
 
 ``read_stalls(log, start, end)`` sums up the lines of a time window (wall clock).
 """
