@@ -70,11 +70,8 @@ class Intake:
         return fn(*args)
 
     async def _enter(self, line: deque[asyncio.Future[None]]) -> None:
-        # An admitted request's further work waits only for others' further work; a
-        # new request also for everyone woken or in line before it.
-        ahead_of_it = (self._ahead if line is self._ahead
-                       else self._woken or self._ahead or self._new)
-        if self._room() and not ahead_of_it:
+        waiting = self._woken or self._ahead or (line is self._new and self._new)
+        if self._room() and not waiting:
             self._take()
             return
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""What the routes share: settings, the engine, fail points, the intake, the model's name."""
+"""What the routes share: settings, the engine, fail points, the served model's name."""
 
 from __future__ import annotations
 
