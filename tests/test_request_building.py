@@ -1,4 +1,4 @@
-"""How much text a request renders and tokenizes, which decides where that runs."""
+"""Where a prompt is rendered and tokenized: short text on the event loop, long in a thread."""
 
 from __future__ import annotations
 
@@ -7,15 +7,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlx_serve.intake import INLINE_TEXT_CHARS, Intake
 from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
 from mlx_serve.request_building import (
+    INLINE_TEXT_CHARS,
     ITEM_OVERHEAD_CHARS,
     _chat_chars,
     _completion_prompts,
+    off_loop_if_long,
 )
 
 pytestmark = pytest.mark.anyio
+
+
+async def test_short_input_stays_on_the_event_loop_and_long_input_goes_to_a_thread():
+    loop_thread = threading.get_ident()
+    assert await off_loop_if_long(INLINE_TEXT_CHARS, threading.get_ident) == loop_thread
+    assert await off_loop_if_long(INLINE_TEXT_CHARS + 1, threading.get_ident) != loop_thread
+    assert await off_loop_if_long(None, threading.get_ident) != loop_thread
 
 
 def chat(**body: object) -> ChatCompletionRequest:
@@ -43,6 +51,7 @@ def test_a_chat_with_tools_is_never_rendered_on_the_event_loop():
     assert _chat_chars(body) is None
 
 
+
 class RecordingTokenizer:
     """Encodes every text as one token and remembers the thread that did it."""
 
@@ -58,10 +67,8 @@ async def test_a_few_short_prompts_are_encoded_on_the_loop_and_many_in_a_thread(
     tokenizer = RecordingTokenizer()
     runner = SimpleNamespace(tokenizer=tokenizer, vocab_size=10)
     loop_thread = threading.get_ident()
-    await _completion_prompts(CompletionRequest.model_validate({"prompt": ["a", "b"]}), runner,
-                              Intake())
+    await _completion_prompts(CompletionRequest.model_validate({"prompt": ["a", "b"]}), runner)
     assert tokenizer.threads == [loop_thread, loop_thread]
     tokenizer.threads.clear()
-    await _completion_prompts(CompletionRequest.model_validate({"prompt": ["a"] * 100}), runner,
-                              Intake())
+    await _completion_prompts(CompletionRequest.model_validate({"prompt": ["a"] * 100}), runner)
     assert len(tokenizer.threads) == 100 and loop_thread not in tokenizer.threads

@@ -16,14 +16,12 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 
 from mlx_serve.blas import openblas_active
 from mlx_serve.config import Settings
 from mlx_serve.engine import Engine, EngineConfig, EngineState
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.http_errors import EXCEPTION_HANDLERS
-from mlx_serve.intake import IntakeGate
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import DEFAULT_MODEL_ID, resolve_model
 from mlx_serve.routes import ROUTES
@@ -162,8 +160,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     from mlx_serve.debug_routes import debug_routes
 
     routes = ROUTES + (debug_routes() if settings.failpoints_http else [])
-    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan,
-                     middleware=[Middleware(IntakeGate)])
+    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_json(request: Request, limit: int) -> Any:
     """Read the body, refusing it as soon as it passes ``limit`` bytes (413)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -43,17 +43,15 @@ async def read_body(request: Request, limit: int) -> bytes:
         body += chunk
         if len(body) > limit:
             raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
-    return bytes(body)
-
-
-def parse(model: type[M], raw: bytes) -> M:
-    """The JSON body as ``model``; a 400 naming the first bad field otherwise."""
     try:
-        body = json.loads(raw)
+        return json.loads(body)
     except ValueError as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
     except RecursionError:
         raise RequestError("the JSON body is nested too deeply") from None
+
+
+def parse(model: type[M], body: Any) -> M:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     try:
@@ -94,12 +92,11 @@ async def _generate(request: Request, model_type: type[Any], build: Any, *, chat
                     ) -> Response:
     """Read, validate and build the engine requests; then reply (streamed or whole)."""
     state = _state(request)
-    raw = await read_body(request, state.settings.max_body_bytes)
-    body = await state.intake.on_loop(parse, model_type, raw)
+    body = parse(model_type, await read_json(request, state.settings.max_body_bytes))
     model = _check_model(state, body.model)
     engine = _ready_engine(state)
     request_id = _request_id("chatcmpl" if chat else "cmpl")
-    prepared = await build(body, engine.runner, state.settings, request_id, state.intake)
+    prepared = await build(body, engine.runner, state.settings, request_id)
     return await _reply(request, state, body, prepared, request_id, chat=chat, model=model)
 
 

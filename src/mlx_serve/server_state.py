@@ -1,4 +1,4 @@
-"""What the routes share: settings, the engine, fail points, the served model's name."""
+"""What the routes share: settings, the engine, fail points and the served model's name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from mlx_serve.config import Settings
 from mlx_serve.engine import Engine
 from mlx_serve.failpoints import FailPoints
-from mlx_serve.intake import Intake
 
 
 @dataclass
@@ -19,7 +18,5 @@ class ServerState:
     failpoints: FailPoints
     model_name: str
     started: int = field(default_factory=lambda: int(time.time()))
-    # Paces the event loop's work of preparing requests (intake.py).
-    intake: Intake = field(default_factory=Intake)
     # Set by the server runner (``mlx-serve``): shut down gracefully with this status.
     request_exit: Callable[[int], None] | None = None
