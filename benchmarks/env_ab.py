@@ -79,8 +79,8 @@ class _Variants:
         self.tokenizer = tokenizer
         self.batch = BatchConfig(args.decode_batch_size, args.prefill_batch_size,
                                  args.prefill_step_size)
-        self.extra = {_name(env): (with_stall_log(env, args.stall_traces)
-                                   if args.stalls or args.stall_traces else env)
+        self.extra = {_name(env): (with_stall_log(env, traces=args.stalls == "traces")
+                                   if args.stalls else env)
                       for env in args.variant}
         self.started = 0
 
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         health_probe=args.health_probe or None)
                         began = time.time()
                         summary = measured_load(server, target, workload, prompts)["summary"]
-                        if args.stalls or args.stall_traces:
+                        if args.stalls:
                             summary["stalls"] = read_stalls(server.log_path, began, time.time())
                     runs.append({"round": rnd, "concurrency": conc, "variant": name,
                                  "summary": summary})
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stalls", action="store_true",
                    help="log each server's event-loop, lock and GC stalls (benchmarks/stalls.py)"
                         " and report the worst of each run")
-    p.add_argument("--stall-traces", action="store_true",
+    p.add_argument("--stall-traces", action="store_const", dest="stalls", const="traces",
                    help="--stalls, and each stall logs where it happened (in the server logs)")
     p.add_argument("--isolate", action="store_true",
                    help="start each server for its own run only (one MLX process at a time)")

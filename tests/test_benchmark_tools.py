@@ -7,6 +7,7 @@ import json
 import time
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from benchmarks.env_ab import parse_variant, relative_table
@@ -228,7 +229,7 @@ async def test_the_loop_watch_reports_a_loop_held_by_blocking_work(capsys):
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_loop)
-            await anyio.sleep(0.01)  # the watch is waiting on its timer
+            await anyio.lowlevel.checkpoint()  # the watch has started its timer
             time.sleep(0.05)  # holds the loop: the watch's timer fires 50 ms late
             await anyio.sleep(0.01)
             tg.cancel_scope.cancel()
@@ -268,7 +269,7 @@ async def test_a_loop_stall_is_traced_to_the_code_that_held_the_loop(capsys):
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_loop)
-                await anyio.sleep(0.01)
+                await anyio.lowlevel.checkpoint()  # the watch has started its timer
                 _blocks_the_loop_for_50_ms()
                 await anyio.sleep(0.01)
                 tg.cancel_scope.cancel()
@@ -287,11 +288,15 @@ def test_a_lock_held_in_c_makes_every_threads_stack_dumped(capfd):
     stop = threading.Event()
     watcher = threading.Thread(target=watch_lock, args=(0.01, True, stop))
     watcher.start()
+    err = ""
     try:
-        time.sleep(0.01)  # the watch is sleeping
-        sum(range(20_000_000))  # one call into C: the lock is not handed over meanwhile
+        for _ in range(20):  # until the watch has been armed during one of them
+            sum(range(5_000_000))  # one call into C: the lock is not handed over meanwhile
+            err += capfd.readouterr().err
+            if "Timeout" in err:
+                break
     finally:
         stop.set()
         watcher.join(10)
-    err = capfd.readouterr().err
+    err += capfd.readouterr().err
     assert "Timeout" in err and "test_a_lock_held_in_c_makes" in err and " lock " in err, err
