@@ -52,20 +52,20 @@ def test_a_chat_with_tools_is_never_rendered_on_the_event_loop():
 
 
 
-class RecordingTokenizer:
+class RecordingEncoder:
     """Encodes every text as one token and remembers the thread that did it."""
 
     def __init__(self) -> None:
         self.threads: list[int] = []
 
-    def encode(self, text: str) -> list[int]:
+    def __call__(self, text: str) -> list[int]:
         self.threads.append(threading.get_ident())
         return [1]
 
 
 async def test_a_few_short_prompts_are_encoded_on_the_loop_and_many_in_a_thread():
-    tokenizer = RecordingTokenizer()
-    runner = SimpleNamespace(tokenizer=tokenizer, vocab_size=10)
+    tokenizer = RecordingEncoder()
+    runner = SimpleNamespace(encode=tokenizer, vocab_size=10)
     loop_thread = threading.get_ident()
     await _completion_prompts(CompletionRequest.model_validate({"prompt": ["a", "b"]}), runner)
     assert tokenizer.threads == [loop_thread, loop_thread]

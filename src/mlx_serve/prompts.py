@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_serve.errors import RequestError, UnsupportedParameterError
+from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.protocol import CHAT_TEMPLATE_KWARGS, ChatCompletionRequest, ChatMessage
 
 
@@ -100,18 +101,21 @@ def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> Rendered:
+def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionRequest
+                ) -> Rendered:
     if not getattr(tokenizer, "has_chat_template", True):
         raise RequestError("this model has no chat template; use /v1/completions")
     tools = offered_tools(body, tokenizer)
     kwargs = template_kwargs(body)
     messages = [message_dict(m) for m in body.messages]
     try:
-        tokens = list(tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, **kwargs))
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as exc:  # template errors, e.g. a role the template refuses
         raise RequestError(f"the chat template rejected the messages: {exc}",
                            param="messages") from None
+    # What apply_chat_template(tokenize=True) does, through the lock-keeping encoder.
+    tokens = encode(text, add_special_tokens=False)
     thinking = bool(getattr(tokenizer, "has_thinking", False))
     initial = "normal"
     if thinking and tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens):
@@ -120,6 +124,6 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> Rendered:
     forced = forced_call_schema(body, tokenizer)
     if forced is not None:  # open the call in the prompt; the schema does the rest
         opening = (tokenizer.think_end + "\n" if initial == "reasoning" else "")
-        tokens += tokenizer.encode(opening + tokenizer.tool_call_start, add_special_tokens=False)
+        tokens += encode(opening + tokenizer.tool_call_start, add_special_tokens=False)
         initial = "tool"
     return Rendered(tokens, tools, thinking or tools is not None, initial, forced)

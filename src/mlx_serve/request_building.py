@@ -134,7 +134,8 @@ async def build_chat_request(
     check_extra_fields(body, settings)
     if body.top_logprobs and not body.logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer, body)
+    rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer,
+                                      runner.encode, body)
     if rendered.forced_call is not None:
         if body.response_format is not None and body.response_format.type != "text":
             raise RequestError("a forced tool call and 'response_format' cannot be combined",
@@ -188,10 +189,6 @@ def _chat_chars(body: ChatCompletionRequest) -> int | None:
                for m in body.messages)
 
 
-def _encode(tokenizer: Any, prompt: str) -> list[int]:
-    return list(tokenizer.encode(prompt))
-
-
 async def _completion_prompts(body: CompletionRequest, runner: Any) -> list[list[int]]:
     field = body.prompt
     if isinstance(field, str):
@@ -204,8 +201,7 @@ async def _completion_prompts(body: CompletionRequest, runner: Any) -> list[list
         if any(not p for p in field):
             raise RequestError("'prompt' must not be empty", param="prompt")
         chars = sum(ITEM_OVERHEAD_CHARS + len(p) for p in field)  # many short ones add up
-        prompts = [await off_loop_if_long(chars, _encode, runner.tokenizer, p)
-                   for p in field]
+        prompts = [await off_loop_if_long(chars, runner.encode, p) for p in field]
     if any(not 0 <= t < runner.vocab_size for p in prompts for t in p):
         raise RequestError("'prompt' holds a token id outside the vocabulary", param="prompt")
     return prompts

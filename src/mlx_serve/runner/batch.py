@@ -19,6 +19,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machi
 
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Delta, GenerationRequest, StepOutcome
+from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
 from mlx_serve.runner.prefix_cache import PrefixCache
@@ -73,6 +74,7 @@ class Runner:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.encode = PromptEncoder(tokenizer)  # prompts, on the event loop
         self.context_length = context_length
         self.vocab_size = vocab_size
         self._limits = limits

@@ -1,0 +1,80 @@
+"""Prompt text -> token ids without handing the interpreter lock away mid-request.
+
+transformers' fast tokenizers encode even a single text through the Rust tokenizer's
+``encode_batch``, which releases the interpreter lock. Prompts are encoded on the event
+loop, and while the MLX thread runs Python (it builds every step's graph) the loop then
+waits for the lock to come back: until the MLX thread next calls into MLX, or up to the
+switch interval (5 ms). A burst of 128 requests paid that 128 times in one turn of the
+loop; on an H200 host the loop stood still for 60-100 ms and /health with it. The Rust
+tokenizer's single ``encode`` keeps the lock for its fraction of a millisecond.
+
+It is used only where it gives the tokenizer's own ids: the tokenizer's class must encode
+through transformers' stock path (no override), with no truncation or padding set, and
+both ways must agree on a probe text at start-up. Otherwise the tokenizer's ``encode``
+is used as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Special-token look-alikes, whitespace runs, accents, emoji and digits: where encoders
+# that differ in their handling of special tokens or normalisation would disagree.
+_PROBE = ("  Hello <|im_start|>user\n<s></s>[INST] world!\t\tÇa va? 🙂 12345 "
+          "<|endoftext|><|eot_id|> end  ")
+
+
+class PromptEncoder:
+    """``encode(text, add_special_tokens=True) -> list[int]``, the tokenizer's own ids."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._backend = _stock_backend(tokenizer)
+        if self._backend is not None and not self._agrees():
+            log.warning("the tokenizer's Rust encoder disagrees with its encode(); "
+                        "encoding prompts through transformers")
+            self._backend = None
+
+    @property
+    def direct(self) -> bool:
+        """True when prompts are encoded by the Rust tokenizer's own ``encode``."""
+        return self._backend is not None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _agrees(self) -> bool:
+        assert self._backend is not None
+        return all(
+            self._backend.encode(_PROBE, add_special_tokens=special).ids
+            == list(self._tokenizer.encode(_PROBE, add_special_tokens=special))
+            for special in (True, False))
+
+
+def _stock_backend(tokenizer: Any) -> Any | None:
+    """The Rust tokenizer behind ``tokenizer`` if its encode is transformers' stock one."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its own path
+        return None
+    if not isinstance(hf, TokenizersBackend):
+        return None
+    cls = type(hf)
+    stock = (cls.encode is PreTrainedTokenizerBase.encode
+             and cls._encode_plus is TokenizersBackend._encode_plus)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if not stock or not isinstance(backend, Tokenizer):
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(hf, "split_special_tokens", False)):
+        return None
+    return backend

@@ -1,0 +1,134 @@
+"""Prompts are encoded to the tokenizer's own ids, without releasing the interpreter lock."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from mlx_serve.prompt_encoder import PromptEncoder
+from mlx_serve.prompts import render_chat
+from mlx_serve.protocol import ChatCompletionRequest
+from mlx_serve.tiny_model import build_tiny_model
+
+TEXTS = [
+    "Hello world",
+    "  two  spaces, a\ttab and a newline\n",
+    "<|im_start|>user\nspecial tokens inside<|im_end|>",
+    "Ünïcödé, 中文, emoji 🙂🚀 and digits 0123456789",
+    "The quick brown fox jumps over the lazy dog. " * 40,
+]
+
+
+def _tokenizer(folder: Path):
+    from mlx_lm.tokenizer_utils import load
+
+    return load(folder)
+
+
+@pytest.fixture(scope="module")
+def agentic_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("agentic"), agentic=True)
+
+
+@pytest.fixture(params=["plain", "agentic"])
+def tokenizer(request, tiny_model_dir: Path, agentic_model_dir: Path):
+    return _tokenizer(tiny_model_dir if request.param == "plain" else agentic_model_dir)
+
+
+def test_the_ids_are_the_tokenizers_own(tokenizer) -> None:
+    encode = PromptEncoder(tokenizer)
+    assert encode.direct  # the test models' tokenizers take the direct path
+    for text in TEXTS:
+        for special in (True, False):
+            assert encode(text, add_special_tokens=special) == list(
+                tokenizer.encode(text, add_special_tokens=special))
+
+
+def test_a_rendered_chat_is_what_the_template_tokenizes_to(tokenizer) -> None:
+    encode = PromptEncoder(tokenizer)
+    for messages in (
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": "Say <|im_end|> literally, then 🙂"},
+         {"role": "assistant", "content": "Sure."},
+         {"role": "user", "content": "Again"}],
+    ):
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+        assert render_chat(tokenizer, encode, body).tokens == list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def _lock_kept_during(fn: Callable[[], object]) -> bool:
+    """True if no other thread ran Python while ``fn`` ran.
+
+    A spinning thread waits for the lock; one release inside ``fn`` hands it over. The
+    switch interval is made long enough that ``fn`` is not preempted otherwise.
+    """
+    count = [0]
+    stop = threading.Event()
+    spinning = threading.Event()
+
+    def spin() -> None:
+        spinning.set()
+        while not stop.is_set():
+            count[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    spinner = threading.Thread(target=spin, daemon=True)
+    try:
+        spinner.start()
+        assert spinning.wait(10)
+        while count[0] == 0:  # until the spinner has run: it now waits for the lock
+            pass
+        before = count[0]
+        fn()
+        return count[0] == before
+    finally:
+        stop.set()
+        spinner.join(10)
+        sys.setswitchinterval(interval)
+
+
+def test_encoding_keeps_the_interpreter_lock(tiny_model_dir: Path) -> None:
+    tokenizer = _tokenizer(tiny_model_dir)
+    encode = PromptEncoder(tokenizer)
+    text = TEXTS[-1] * 4
+    assert _lock_kept_during(lambda: encode(text))
+    # The control: transformers' own encode hands the lock away (why this module exists).
+    assert not _lock_kept_during(lambda: tokenizer.encode(text))
+
+
+class _OwnEncode:
+    """A tokenizer whose encode is its own: the encoder must not bypass it."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [7, *self._inner.encode(text, add_special_tokens=add_special_tokens)]
+
+
+def test_a_tokenizer_with_its_own_encode_is_used_as_it_is(tiny_model_dir: Path) -> None:
+    tokenizer = _OwnEncode(_tokenizer(tiny_model_dir))
+    encode = PromptEncoder(tokenizer)
+    assert not encode.direct
+    assert encode("Hello") == tokenizer.encode("Hello")
+
+
+def test_a_backend_that_disagrees_on_the_probe_is_not_used(tiny_model_dir: Path,
+                                                          caplog) -> None:
+    tokenizer = _tokenizer(tiny_model_dir)
+    hf = tokenizer._tokenizer
+    stock = hf.encode
+    # The class is stock, but this instance's encode adds a token the Rust side does not.
+    hf.encode = lambda text, add_special_tokens=True: [
+        *stock(text, add_special_tokens=add_special_tokens), 3]
+    encode = PromptEncoder(tokenizer)
+    assert not encode.direct
+    assert "disagrees" in caplog.text
+    assert encode("Hello") == hf.encode("Hello")
