@@ -11,8 +11,10 @@ the process then logs to its stderr, one line each:
 - ``gc``: a garbage collection took more than 3 ms (the generation is in the line);
 - ``watching``: once, at start;
 - with ``STALL_TRACES=1`` (``with_stall_log(env, traces=True)``) also ``loop-trace``,
-  the event loop thread's stack during a loop stall, and faulthandler's dump of every
-  thread during a lock stall.
+  the event loop thread's stack during a loop stall; with ``STALL_TRACES=all`` also
+  faulthandler's dump of every thread during a lock stall. That dump reads the other
+  threads' frames without the lock and can crash a busy process (it did, at start-up,
+  on a CUDA host), so it is asked for on its own.
 
 ``read_stalls(log, start, end)`` sums up the lines of a time window (wall clock).
 """
@@ -44,17 +46,18 @@ def _log(kind: str, seconds: float, detail: str = "") -> None:
 def with_stall_log(env: dict[str, str], traces: bool = False) -> dict[str, str]:
     """``env`` with the stall log's directory and this checkout first on PYTHONPATH.
 
-    ``traces``: each stall also logs where it happened (``TRACES_ENV``)."""
+    ``traces``: each stall also logs where it happened (``TRACES_ENV``; a value that
+    ``env`` already holds, such as "all", is kept)."""
     root = str(STALL_LOG_DIR.parent.parent)
     rest = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     path = os.pathsep.join(p for p in (str(STALL_LOG_DIR), root, rest) if p)
-    return {**env, "PYTHONPATH": path, **({TRACES_ENV: "1"} if traces else {})}
+    return {**env, "PYTHONPATH": path, **({TRACES_ENV: env.get(TRACES_ENV, "1")} if traces else {})}
 
 
-# With this set, a loop stall logs the event loop thread's stack as seen from another
-# thread once it is 10 ms late, and a lock stall makes faulthandler dump every thread's
-# stack (from its own thread, which needs no lock) once 15 ms have passed: the thread
-# holding the lock is the one inside a call into C.
+# With this set to 1, a loop stall logs the event loop thread's stack as seen from
+# another thread once it is 10 ms late. Set to "all", a lock stall also makes faulthandler
+# dump every thread's stack (from its own thread, which needs no lock) once 15 ms have
+# passed: the thread holding the lock is the one inside a call into C.
 TRACES_ENV = "STALL_TRACES"
 _heartbeat = [0.0]
 
@@ -86,16 +89,16 @@ def trace_loop(thread_id: int, late: float, stop: threading.Event) -> None:
                  "\n" + "\n".join("    " + line for line in stack.splitlines()))
 
 
-def watch_lock(late: float, traces: bool, stop: threading.Event) -> None:
+def watch_lock(late: float, dumps: bool, stop: threading.Event) -> None:
     """Log every time this thread gets the interpreter lock back ``late``; until ``stop``."""
     import faulthandler
 
     while not stop.is_set():
         start = time.perf_counter()
-        if traces:
+        if dumps:
             faulthandler.dump_traceback_later(late + 0.005, file=sys.stderr)
         time.sleep(0.001)
-        if traces:
+        if dumps:
             faulthandler.cancel_dump_traceback_later()
         behind = time.perf_counter() - start - 0.001
         if behind > late:
@@ -116,10 +119,11 @@ def _gc_callback() -> Callable[[str, dict[str, Any]], None]:
 def install() -> None:
     """Start the three watches in this process (mlx_serve's app runs the loop's)."""
     _log("watching", 0.0)
-    traces = os.environ.get(TRACES_ENV) == "1"
+    traces = os.environ.get(TRACES_ENV) in ("1", "all")
     gc.callbacks.append(_gc_callback())
     never = threading.Event()  # the watches last as long as the process
-    threading.Thread(target=watch_lock, args=(LATE_S, traces, never), daemon=True,
+    dumps = os.environ.get(TRACES_ENV) == "all"
+    threading.Thread(target=watch_lock, args=(LATE_S, dumps, never), daemon=True,
                      name="stall-lock-watch").start()
     if traces:  # uvicorn runs the event loop in the main thread
         threading.Thread(target=trace_loop, args=(threading.main_thread().ident, LATE_S,

@@ -300,3 +300,11 @@ def test_a_lock_held_in_c_makes_every_threads_stack_dumped(capfd):
         watcher.join(10)
     err += capfd.readouterr().err
     assert "Timeout" in err and "test_a_lock_held_in_c_makes" in err and " lock " in err, err
+
+
+def test_stall_traces_keep_a_variants_own_choice_of_dumps():
+    from benchmarks.stalls import TRACES_ENV, with_stall_log
+
+    assert with_stall_log({}, traces=True)[TRACES_ENV] == "1"  # loop traces only
+    assert with_stall_log({TRACES_ENV: "all"}, traces=True)[TRACES_ENV] == "all"
+    assert TRACES_ENV not in with_stall_log({})
