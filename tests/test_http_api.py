@@ -525,6 +525,17 @@ def test_health_and_live_when_ready(server):
     assert elapsed < 1.0
 
 
+def test_health_reports_the_mlx_threads_busy_time(server):
+    before = health(server)
+    response = httpx.post(server.base_url + "/v1/completions", timeout=TIMEOUT,
+                          json={"prompt": "hi", "max_tokens": 4, "logit_bias": NO_EOS})
+    assert response.status_code == 200, response.text
+    after = health(server)
+    # The request's steps ran on the MLX thread, each counted once it had finished.
+    assert after["steps"] > before["steps"]
+    assert after["mlx_busy_s"] > before["mlx_busy_s"] >= 0
+
+
 def test_the_startup_heap_is_frozen_out_of_the_garbage_collectors_view(server):
     # Frozen once the structured-output tables are built, shortly after /health says ready.
     deadline = time.monotonic() + TIMEOUT

@@ -35,3 +35,25 @@ async def test_the_os_sees_the_thread_by_its_name():
         assert comm == "mlx-test"
     finally:
         mlx.stop(timeout=10)
+
+
+@pytest.mark.anyio
+async def test_busy_time_counts_the_jobs_and_not_the_wait_between_them():
+    import time
+
+    mlx = MLXThread()
+    try:
+        with anyio.fail_after(10):
+            await mlx.call(lambda: None)  # the thread is up and has been idle since
+            before = mlx.busy_seconds
+            started = time.perf_counter()
+            await mlx.call(time.sleep, 0.05)  # a job that holds the thread for 50 ms
+            done = mlx.busy_seconds  # counted before the result was handed back
+            elapsed = time.perf_counter() - started
+            await anyio.sleep(0.05)  # idle: no job, so nothing more is counted
+            mlx.post(lambda: None)
+            await mlx.call(lambda: None)
+        assert 0.05 <= done - before <= elapsed
+        assert mlx.busy_seconds - done < 0.02  # two empty jobs, not the idle 50 ms
+    finally:
+        mlx.stop(timeout=10)

@@ -110,7 +110,7 @@ class Engine:
             state=self._state, running=len(self._requests),
             waiting=self._requests.waiting,
             step_age=0.0 if started is None else time.monotonic() - started,
-            error=self._error, **self._counts,
+            error=self._error, mlx_busy=self._mlx.busy_seconds, **self._counts,
         )
 
     @property

@@ -43,11 +43,12 @@ class EngineStatistics:
     isolated: int
     step_age: float
     error: str | None
+    mlx_busy: float = 0.0  # seconds the MLX thread has spent in finished jobs
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "state": self.state.value, "running": self.running, "waiting": self.waiting,
             "steps": self.steps, "recoveries": self.recoveries, "replays": self.replays,
             "isolated": self.isolated, "step_age_s": round(self.step_age, 3),
-            "error": self.error,
+            "error": self.error, "mlx_busy_s": round(self.mlx_busy, 4),
         }

@@ -14,6 +14,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -28,6 +29,9 @@ _STOP = object()
 class MLXThread:
     def __init__(self, name: str = "mlx") -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Seconds spent in finished jobs. Beside wall time it tells a thread kept busy
+        # (stepping at the engine's pace) from one waiting for its next step.
+        self.busy_seconds = 0.0
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -60,22 +64,22 @@ class MLXThread:
             if job is _STOP:
                 return
             future, fn, args = job
-            if future is None:
-                self._run_posted(fn, args)
+            if future is not None and not future.set_running_or_notify_cancel():
                 continue
-            if not future.set_running_or_notify_cancel():
-                continue
+            started = time.perf_counter()
             try:
-                future.set_result(fn(*args))
+                result, error = fn(*args), None
             except BaseException as exc:  # handed to the awaiting actor, never lost
-                future.set_exception(exc)
-
-    @staticmethod
-    def _run_posted(fn: Callable[..., Any], args: tuple) -> None:
-        try:
-            fn(*args)
-        except BaseException:  # a posted job reports its own faults; this one escaped
-            log.exception("a job on the MLX thread failed")
+                result, error = None, exc
+            # Counted before the result is handed back, so a caller sees its job in it.
+            self.busy_seconds += time.perf_counter() - started
+            if future is None:
+                if error is not None:  # a posted job reports its own faults; this escaped
+                    log.error("a job on the MLX thread failed", exc_info=error)
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
 
 
 _PR_SET_NAME = 15  # linux/prctl.h
