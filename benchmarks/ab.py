@@ -30,12 +30,13 @@ from benchmarks import environment
 from benchmarks.host import HostWatch
 from benchmarks.loadgen import Target, run_async, run_load, warm_up
 from benchmarks.memory import rss_run
-from benchmarks.metrics import cpu_per_token, step_figures
+from benchmarks.metrics import busy_share, cpu_per_token, step_figures
 from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
 from benchmarks.servers import (
     BatchConfig,
     ServerProcess,
     blas_env,
+    busy_in,
     cache_limit_flag,
     find_openblas,
     mlx_lm_command,
@@ -223,7 +224,9 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     host = HostWatch()
 
     def read_counters() -> None:
-        start.update(steps=steps_in(server.health()), threads=thread_times(server.pid))
+        health = server.health()
+        start.update(steps=steps_in(health), busy=busy_in(health),
+                     threads=thread_times(server.pid))
         host.start()
 
     try:
@@ -239,6 +242,9 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     steps = steps_in(result["health_after"])
     step_figures(result["summary"],
                  None if steps is None or start["steps"] is None else steps - start["steps"])
+    busy = busy_in(result["health_after"])
+    busy_share(result["summary"],
+               None if busy is None or start["busy"] is None else busy - start["busy"])
     return result
 
 

@@ -84,6 +84,17 @@ def step_figures(summary: dict[str, Any], steps: int | None) -> None:
         summary["tokens_per_step"] = summary["ms_per_step"] = None
 
 
+def busy_share(summary: dict[str, Any], busy_seconds: float | None) -> None:
+    """Record the share of the run's wall time that mlx_serve's MLX thread spent in jobs.
+
+    Near 1 the thread steps back to back and the engine sets the pace; well below it the
+    thread waits for the event loop to hand it its next step.
+    """
+    duration = summary.get("duration_s") or 0
+    summary["mlx_busy_share"] = (round(busy_seconds / duration, 4)
+                                 if busy_seconds is not None and duration else None)
+
+
 def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     """The run's summary, vLLM's definitions; latencies in ms."""
     done = [r for r in records if r.ok]

@@ -33,6 +33,8 @@ METRICS: dict[str, Getter] = {
     "CPU ms/token, main thread": role_cpu("main"),
     "tokens/step": lambda s: s.get("tokens_per_step"),
     "ms/step": lambda s: s.get("ms_per_step"),
+    # mlx_serve's MLX thread, in jobs this share of the run (none for the other two).
+    "MLX thread busy share": lambda s: s.get("mlx_busy_share"),
     # The machine, not the contender: above 1, the host ran this contender's load slower.
     "CPU probe p50": lambda s: (s.get("host") or {}).get("cpu_probe_ms", {}).get("p50"),
 }
@@ -106,8 +108,10 @@ def format_ratios(table: dict[str, Any]) -> str:
     lines = [header, "|" + "---|" * (2 + len(pairs))]
     for conc, rows in table.items():
         for metric in METRICS:
-            cells = " | ".join(cell(rows[metric][p]) for p in pairs)
-            lines.append(f"| {conc} | {metric} | {cells} |")
+            cells = [cell(rows[metric][p]) for p in pairs]
+            if all(c == "-" for c in cells):
+                continue  # a figure none of the pairs has, e.g. only mlx_serve's
+            lines.append(f"| {conc} | {metric} | {' | '.join(cells)} |")
     lines.append("")
     lines.append("| conc | failed requests (engine / mlx_serve / mlx_lm) "
                  "| /health p99 ms, worst round (mlx_serve / mlx_lm) |")

@@ -157,3 +157,9 @@ def steps_in(health: dict[str, Any] | None) -> int | None:
     """The batch steps a /health body reports (mlx_serve's), or None."""
     steps = health.get("steps") if health else None
     return steps if isinstance(steps, int) else None
+
+
+def busy_in(health: dict[str, Any] | None) -> float | None:
+    """Seconds mlx_serve's MLX thread has spent in finished jobs, from /health, or None."""
+    busy = health.get("mlx_busy_s") if health else None
+    return float(busy) if isinstance(busy, (int, float)) else None

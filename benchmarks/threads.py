@@ -95,8 +95,12 @@ def role_cpu(role: str) -> Callable[[dict[str, Any]], float | None]:
 
 
 def describe_threads(summary: dict[str, Any]) -> str:
-    """``cpu/token main 0.041 stepping 0.065 other 0.137 ms`` for a run line ('' without)."""
+    """``cpu/token main 0.041 stepping 0.065 other 0.137 ms  mlx busy 62 %`` for a run
+    line ('' without either)."""
     by = summary.get("cpu_ms_per_token_by_thread")
-    if not by:
-        return ""
-    return "cpu/token " + " ".join(f"{role} {by[role]:.3f}" for role in ROLES) + " ms"
+    busy = summary.get("mlx_busy_share")
+    line = ("cpu/token " + " ".join(f"{role} {by[role]:.3f}" for role in ROLES) + " ms"
+            if by else "")
+    if busy is not None:  # mlx_serve's MLX thread: in jobs this share of the run
+        line = f"{line}  mlx busy {100 * busy:.0f} %".lstrip()
+    return line

@@ -103,6 +103,11 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
     assert served["health_after"]["state"] == "ready"
     # The run's steps are the difference over the run: the warm-ups' are not among them.
     assert served["health_after"]["steps"] > served["summary"]["steps"]
+    # So is the MLX thread's busy time: a share of the run's wall time (a step that began
+    # before the run may add its few ms), only mlx_serve's.
+    assert 0 < served["summary"]["mlx_busy_share"] <= 1.2
+    assert runs[ab.ENGINE]["summary"].get("mlx_busy_share") is None
+    assert "MLX thread busy share" not in ab.format_ratios(report["ratios"])  # no pair
     with pytest.raises(httpx.ConnectError):  # stopped once its run was over
         httpx.get(served["target"]["base_url"] + "/health", timeout=5)
 
