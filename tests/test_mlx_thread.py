@@ -2,6 +2,7 @@
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 import anyio
@@ -39,8 +40,6 @@ async def test_the_os_sees_the_thread_by_its_name():
 
 @pytest.mark.anyio
 async def test_busy_time_counts_the_jobs_and_not_the_wait_between_them():
-    import time
-
     mlx = MLXThread()
     try:
         with anyio.fail_after(10):
@@ -54,6 +53,19 @@ async def test_busy_time_counts_the_jobs_and_not_the_wait_between_them():
             mlx.post(lambda: None)
             await mlx.call(lambda: None)
         assert 0.05 <= done - before <= elapsed
-        assert mlx.busy_seconds - done < 0.02  # two empty jobs, not the idle 50 ms
+        assert mlx.busy_seconds - done < 0.04  # two empty jobs, not the idle 50 ms
+    finally:
+        mlx.stop(timeout=10)
+
+
+@pytest.mark.anyio
+async def test_a_posted_job_that_raises_is_logged_and_the_thread_goes_on(caplog):
+    mlx = MLXThread()
+    try:
+        with anyio.fail_after(10):
+            mlx.post(lambda: 1 / 0)
+            assert await mlx.call(lambda: "still serving") == "still serving"  # after it
+        (record,) = [r for r in caplog.records if "job on the MLX thread failed" in r.message]
+        assert record.exc_info is not None and record.exc_info[0] is ZeroDivisionError
     finally:
         mlx.stop(timeout=10)
