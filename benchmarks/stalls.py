@@ -119,13 +119,12 @@ def _gc_callback() -> Callable[[str, dict[str, Any]], None]:
 def install() -> None:
     """Start the three watches in this process (mlx_serve's app runs the loop's)."""
     _log("watching", 0.0)
-    traces = os.environ.get(TRACES_ENV) in ("1", "all")
+    traces = os.environ.get(TRACES_ENV)  # None, "1" (the loop's stack) or "all"
     gc.callbacks.append(_gc_callback())
     never = threading.Event()  # the watches last as long as the process
-    dumps = os.environ.get(TRACES_ENV) == "all"
-    threading.Thread(target=watch_lock, args=(LATE_S, dumps, never), daemon=True,
+    threading.Thread(target=watch_lock, args=(LATE_S, traces == "all", never), daemon=True,
                      name="stall-lock-watch").start()
-    if traces:  # uvicorn runs the event loop in the main thread
+    if traces in ("1", "all"):  # uvicorn runs the event loop in the main thread
         threading.Thread(target=trace_loop, args=(threading.main_thread().ident, LATE_S,
                                                   never),
                          daemon=True, name="stall-loop-trace").start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,8 +84,9 @@ def _lock_kept_during(fn: Callable[[], object]) -> bool:
     try:
         spinner.start()
         assert spinning.wait(10)
+        deadline = time.monotonic() + 10
         while count[0] == 0:  # until the spinner has run: it now waits for the lock
-            pass
+            assert time.monotonic() < deadline, "the spinner never ran"
         before = count[0]
         fn()
         return count[0] == before

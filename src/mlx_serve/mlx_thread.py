@@ -73,13 +73,18 @@ class MLXThread:
                 result, error = None, exc
             # Counted before the result is handed back, so a caller sees its job in it.
             self.busy_seconds += time.perf_counter() - started
-            if future is None:
-                if error is not None:  # a posted job reports its own faults; this escaped
-                    log.error("a job on the MLX thread failed", exc_info=error)
-            elif error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+            _hand_back(future, result, error)
+
+
+def _hand_back(future: Future[Any] | None, result: Any, error: BaseException | None) -> None:
+    """A job's outcome to its future; a posted job (no future) reports its own faults."""
+    if future is None:
+        if error is not None:  # it escaped the job's own reporting
+            log.error("a job on the MLX thread failed", exc_info=error)
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 _PR_SET_NAME = 15  # linux/prctl.h
