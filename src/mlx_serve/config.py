@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     openblas: bool | None = Field(
         None, description="preload Debian's OpenBLAS on Linux (default: when installed)"
     )
+    jemalloc: bool | None = Field(
+        None, description="preload Debian's jemalloc on Linux (default: when installed)"
+    )
 
     decode_batch_size: int = Field(32, ge=1, description="requests decoded together per step")
     prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled together")

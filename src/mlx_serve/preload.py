@@ -1,0 +1,96 @@
+"""Native libraries preloaded into the server on Linux: OpenBLAS and jemalloc.
+
+The ``mlx[cpu]`` wheel bundles the reference BLAS (about 4 GFLOP/s for an f32 1024²
+matmul on our 2-core machines). Preloading Debian's OpenBLAS (``libopenblas0-pthread``)
+puts a real sgemm under MLX's float32 matmuls: about 30x faster there. Quantized
+matmuls never reach BLAS, so the default model is served dequantized to float32 when
+OpenBLAS is active.
+
+Building each step's graph, MLX allocates and frees many small C++ objects; with the C
+library's malloc that was a fifth of the stepping thread's time on the CPU. Debian's
+jemalloc (``libjemalloc2``) made the tiny model's serving 1.14-1.31x faster at 1 and 4
+streams with no more resident memory; tcmalloc was as fast but held 40 % more, mimalloc
+less consistent (benchmarks/README.md).
+
+A library must be in place before the process starts, so the CLI re-executes itself
+once with ``LD_PRELOAD`` set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+OPENBLAS = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+)
+JEMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+)
+_REEXEC_MARK = "MLX_SERVE_PRELOAD_REEXEC"
+
+
+def _first_existing(paths: Sequence[str]) -> str | None:
+    return next((p for p in paths if Path(p).exists()), None)
+
+
+def _mapped(name: str) -> bool:
+    """Whether a library whose path contains ``name`` is mapped here (Linux only)."""
+    try:
+        return name in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def openblas_active() -> bool:
+    return _mapped("openblas")
+
+
+def jemalloc_active() -> bool:
+    return _mapped("libjemalloc")
+
+
+def wanted_preloads(openblas: bool | None, jemalloc: bool | None) -> list[str]:
+    """The libraries to add to this process: asked for (True) or automatic (None: when
+    installed), and not mapped yet. A library asked for but missing is logged."""
+    missing: list[str] = []
+    chosen = []
+    for wanted, active, paths, package in (
+        (openblas, openblas_active, OPENBLAS, "libopenblas0-pthread"),
+        (jemalloc, jemalloc_active, JEMALLOC, "libjemalloc2"),
+    ):
+        if wanted is False or active():
+            continue
+        library = _first_existing(paths)
+        if library is not None:
+            chosen.append(library)
+        elif wanted:
+            missing.append(package)
+    for package in missing:
+        log.warning("%s requested but not found (apt-get install %s)", package, package)
+    return chosen
+
+
+def reexec_with_preloads(argv: Sequence[str], openblas: bool | None,
+                         jemalloc: bool | None) -> None:
+    """On Linux, restart this command once with the wanted libraries preloaded.
+
+    Returns normally when nothing needs to change (not Linux, already mapped, not
+    installed, turned off, or this is the restarted process).
+    """
+    if not sys.platform.startswith("linux") or os.environ.get(_REEXEC_MARK):
+        return  # the restarted process never restarts again
+    libraries = wanted_preloads(openblas, jemalloc)
+    if not libraries:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join([*libraries, *filter(None, [env.get("LD_PRELOAD")])])
+    env[_REEXEC_MARK] = "1"
+    os.execve(sys.executable, [sys.executable, "-m", "mlx_serve", *argv], env)

@@ -1,0 +1,81 @@
+"""Native libraries preloaded by the CLI on Linux: which ones, and that the restart works."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_serve import preload
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture
+def fake_libraries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Both libraries 'installed' in tmp_path and neither mapped into this process."""
+    paths = {}
+    for name in ("openblas", "jemalloc"):
+        path = tmp_path / f"lib{name}.so"
+        path.write_bytes(b"")
+        paths[name] = str(path)
+    monkeypatch.setattr(preload, "OPENBLAS", (str(tmp_path / "absent.so"), paths["openblas"]))
+    monkeypatch.setattr(preload, "JEMALLOC", (paths["jemalloc"],))
+    monkeypatch.setattr(preload, "_mapped", lambda name: False)
+    return paths
+
+
+def test_automatic_takes_each_installed_library_and_off_leaves_it_out(fake_libraries):
+    assert preload.wanted_preloads(None, None) == [fake_libraries["openblas"],
+                                                   fake_libraries["jemalloc"]]
+    assert preload.wanted_preloads(False, None) == [fake_libraries["jemalloc"]]
+    assert preload.wanted_preloads(True, False) == [fake_libraries["openblas"]]
+
+
+def test_a_library_already_mapped_is_not_added_again(fake_libraries, monkeypatch):
+    monkeypatch.setattr(preload, "_mapped", lambda name: name == "libjemalloc")
+    assert preload.wanted_preloads(None, True) == [fake_libraries["openblas"]]
+
+
+def test_a_library_asked_for_but_missing_is_logged_and_automatic_is_silent(
+        fake_libraries, monkeypatch, caplog):
+    monkeypatch.setattr(preload, "JEMALLOC", ("/nonexistent/libjemalloc.so",))
+    with caplog.at_level(logging.WARNING, logger="mlx_serve.preload"):
+        assert preload.wanted_preloads(None, None) == [fake_libraries["openblas"]]
+        assert not caplog.records
+        preload.wanted_preloads(None, True)
+    assert "libjemalloc2 requested but not found" in caplog.text
+
+
+def test_the_restart_puts_ours_first_keeps_the_callers_and_happens_once(
+        fake_libraries, monkeypatch):
+    calls = []
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(preload.os, "execve", lambda *a: calls.append(a))
+    monkeypatch.setenv("LD_PRELOAD", "/opt/theirs.so")
+    monkeypatch.delenv("MLX_SERVE_PRELOAD_REEXEC", raising=False)
+    preload.reexec_with_preloads(["--port", "9"], None, None)
+    (executable, argv, env), = calls
+    assert argv[1:] == ["-m", "mlx_serve", "--port", "9"]
+    assert env["LD_PRELOAD"] == ":".join(
+        [fake_libraries["openblas"], fake_libraries["jemalloc"], "/opt/theirs.so"])
+    monkeypatch.setenv("MLX_SERVE_PRELOAD_REEXEC", "1")  # the restarted process
+    preload.reexec_with_preloads(["--port", "9"], None, None)
+    assert len(calls) == 1
+
+
+def _mapped_libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not any(
+    Path(p).exists() for p in preload.JEMALLOC), reason="Debian's jemalloc not installed")
+@pytest.mark.parametrize("flag, mapped", [([], True), (["--no-jemalloc"], False)])
+def test_the_server_runs_with_jemalloc_unless_told_not_to(tiny_model_dir, tmp_path, flag,
+                                                           mapped):
+    with ServerProcess(tiny_model_dir, tmp_path / "server.log", args=flag,
+                       env={"LD_PRELOAD": ""}) as server:
+        server.wait_ready()
+        assert ("libjemalloc" in _mapped_libraries(server.proc.pid)) is mapped
+        assert ("jemalloc is active" in server.log_text()) is mapped
