@@ -99,7 +99,10 @@ def _lock_kept_during(fn: Callable[[], object]) -> bool:
 def test_encoding_keeps_the_interpreter_lock(tiny_model_dir: Path) -> None:
     tokenizer = _tokenizer(tiny_model_dir)
     encode = PromptEncoder(tokenizer)
-    text = TEXTS[-1] * 4
+    # Long (64,000 tokens, ~150 ms to encode): with a few thousand tokens the control
+    # failed once on a loaded machine, the waiting spinner not getting a core before
+    # transformers' encode took the lock back.
+    text = TEXTS[-1] * 80
     assert _lock_kept_during(lambda: encode(text))
     # The control: transformers' own encode hands the lock away (why this module exists).
     assert not _lock_kept_during(lambda: tokenizer.encode(text))
