@@ -38,8 +38,6 @@ from benchmarks.servers import (
     ServerProcess,
     busy_in,
     cache_limit_flag,
-    find_jemalloc,
-    find_openblas,
     mlx_lm_command,
     mlx_serve_command,
     spawn,
@@ -47,6 +45,7 @@ from benchmarks.servers import (
 )
 from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
+from mlx_serve.preload import find_jemalloc, find_openblas
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -39,32 +39,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-OPENBLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
-)
-
-
-def find_openblas() -> str | None:
-    """Debian's OpenBLAS, which mlx_serve preloads by default on Linux when installed."""
-    if not sys.platform.startswith("linux"):
-        return None
-    return next((p for p in OPENBLAS_CANDIDATES if Path(p).exists()), None)
-
-
-JEMALLOC_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
-    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
-)
-
-
-def find_jemalloc() -> str | None:
-    """Debian's jemalloc, which mlx_serve preloads by default on Linux when installed."""
-    if not sys.platform.startswith("linux"):
-        return None
-    return next((p for p in JEMALLOC_CANDIDATES if Path(p).exists()), None)
-
-
 @dataclass(frozen=True)
 class NativeLibs:
     """The BLAS and memory allocator every contender gets, preloaded (None: MLX's

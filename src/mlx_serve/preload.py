@@ -41,6 +41,16 @@ def _first_existing(paths: Sequence[str]) -> str | None:
     return next((p for p in paths if Path(p).exists()), None)
 
 
+def find_openblas() -> str | None:
+    """Debian's OpenBLAS, if installed (Linux only)."""
+    return _first_existing(OPENBLAS) if sys.platform.startswith("linux") else None
+
+
+def find_jemalloc() -> str | None:
+    """Debian's jemalloc, if installed (Linux only)."""
+    return _first_existing(JEMALLOC) if sys.platform.startswith("linux") else None
+
+
 def _mapped(name: str) -> bool:
     """Whether a library whose path contains ``name`` is mapped here (Linux only)."""
     try:
