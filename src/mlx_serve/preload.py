@@ -70,7 +70,6 @@ def jemalloc_active() -> bool:
 def wanted_preloads(openblas: bool | None, jemalloc: bool | None) -> list[str]:
     """The libraries to add to this process: asked for (True) or automatic (None: when
     installed), and not mapped yet. A library asked for but missing is logged."""
-    missing: list[str] = []
     chosen = []
     for wanted, active, paths, package in (
         (openblas, openblas_active, OPENBLAS, "libopenblas0-pthread"),
@@ -82,9 +81,7 @@ def wanted_preloads(openblas: bool | None, jemalloc: bool | None) -> list[str]:
         if library is not None:
             chosen.append(library)
         elif wanted:
-            missing.append(package)
-    for package in missing:
-        log.warning("%s requested but not found (apt-get install %s)", package, package)
+            log.warning("%s requested but not found (apt-get install %s)", package, package)
     return chosen
 
 
