@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -97,22 +98,19 @@ def resolve_model_path(spec: str, workdir: Path) -> str:
     return spec
 
 
-def resolve_blas(choice: str) -> str | None:
-    """The OpenBLAS library every contender gets, or None for MLX's bundled BLAS."""
-    if choice == "reference":
-        return None
-    library = find_openblas()
-    if library is None and choice == "openblas":
-        raise SystemExit("OpenBLAS not found (apt-get install libopenblas0-pthread)")
-    return library
-
-
 def resolve_native(blas: str, allocator: str) -> NativeLibs:
-    """The preloaded libraries every contender gets (``--blas``, ``--allocator``)."""
-    jemalloc = None if allocator == "system" else find_jemalloc()
-    if jemalloc is None and allocator == "jemalloc":
-        raise SystemExit("jemalloc not found (apt-get install libjemalloc2)")
-    return NativeLibs(resolve_blas(blas), jemalloc)
+    """The preloaded libraries every contender gets (``--blas``, ``--allocator``): the
+    installed one for "auto", none when turned off, an exit when asked for but missing."""
+
+    def pick(choice: str, off: str, find: Callable[[], str | None], package: str
+             ) -> str | None:
+        library = None if choice == off else find()
+        if library is None and choice not in ("auto", off):
+            raise SystemExit(f"{choice} not found (apt-get install {package})")
+        return library
+
+    return NativeLibs(pick(blas, "reference", find_openblas, "libopenblas0-pthread"),
+                      pick(allocator, "system", find_jemalloc, "libjemalloc2"))
 
 
 def rotated(targets: tuple[str, ...], rnd: int) -> tuple[str, ...]:

@@ -48,10 +48,11 @@ def make_loader(settings: Settings, failpoints: FailPoints) -> Any:
     def load() -> Any:
         from mlx_serve.runner import BatchLimits, load_runner
 
+        openblas = openblas_active()
         dequantize = settings.dequantize_default_model
         if dequantize is None:
-            dequantize = openblas_active()
-        if openblas_active():
+            dequantize = openblas
+        if openblas:
             log.info("OpenBLAS is active: float32 matmuls use it")
         if jemalloc_active():
             log.info("jemalloc is active: memory allocation uses it")
