@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import environment
+from benchmarks.engine_worker import EngineWorker, harness_command, run_fresh
 from benchmarks.host import HostWatch
 from benchmarks.loadgen import Target, run_async, run_load, warm_up
 from benchmarks.memory import rss_run
@@ -38,7 +39,6 @@ from benchmarks.servers import (
     NativeLibs,
     ServerProcess,
     busy_in,
-    cache_limit_flag,
     mlx_lm_command,
     mlx_serve_command,
     spawn,
@@ -77,6 +77,14 @@ class ABConfig:
     # The engine harness steps with mlx_serve's decode step, not mlx-lm's own: the ratio
     # is then the server's overhead alone.
     engine_one_array_logprobs: bool = False
+    # One engine-harness process, the model loaded once, for every engine run (as the
+    # servers stay loaded); False (or isolate) starts one per run.
+    keep_engine: bool = True
+
+    @property
+    def engine_kept(self) -> bool:
+        """Isolated runs keep one MLX process on the device: the harness is fresh."""
+        return self.keep_engine and not self.isolate
 
     def workload(self, concurrency: int, seed: int) -> Workload:
         n = max(self.min_requests, self.requests_per_stream * concurrency)
@@ -126,9 +134,11 @@ def rotated(targets: tuple[str, ...], rnd: int) -> tuple[str, ...]:
 
 class ABRunner:
     def __init__(self, config: ABConfig, model_path: str, workdir: Path,
-                 servers: dict[str, ServerProcess], native: NativeLibs) -> None:
+                 servers: dict[str, ServerProcess], native: NativeLibs,
+                 stack: contextlib.ExitStack) -> None:
         self.config, self.model_path, self.workdir = config, model_path, workdir
-        self.servers, self.native = servers, native
+        self.servers, self.native, self.stack = servers, native, stack
+        self.engine: EngineWorker | None = None  # started at its first run, if kept
         self.tokenizer = load_tokenizer(model_path)
         self.runs: list[dict[str, Any]] = []
 
@@ -177,32 +187,24 @@ class ABRunner:
 
     def run_engine(self, workload: Workload, prompts: list[str],
                    warmup: list[str]) -> dict[str, Any]:
-        """The engine harness in a fresh process (its own MLX state), bounded in time."""
+        """The engine harness on these prompts: in its kept process, or a fresh one."""
         prompts_file = self.workdir / "prompts.json"
         out = self.workdir / "engine.json"
         prompts_file.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
         out.unlink(missing_ok=True)  # never report an earlier run's result as this one's
-        b = self.config.batch
-        cmd = [sys.executable, "-m", "benchmarks.engine_limit", "--model", self.model_path,
-               "--concurrency", str(workload.concurrency),
-               "--num-requests", str(workload.num_requests),
-               "--prompt-tokens", str(workload.prompt_tokens),
-               "--output-tokens", str(workload.output_tokens),
-               "--time-limit", str(workload.time_limit), "--seed", str(workload.seed),
-               *(["--rate", str(workload.rate)] if workload.rate else []),
-               "--decode-batch-size", str(b.decode_batch_size),
-               "--prefill-batch-size", str(b.prefill_batch_size),
-               "--prefill-step-size", str(b.prefill_step_size),
-               *cache_limit_flag(b),
-               *(["--one-array-logprobs"] if self.config.engine_one_array_logprobs else []),
-               "--prompts-file", str(prompts_file), "--json", str(out)]
-        with open(self.workdir / "engine.log", "ab") as log:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
-                           timeout=workload.time_limit + 120, cwd=Path(__file__).parent.parent,
-                           env=self.native.env())
+        cfg, log_path = self.config, self.workdir / "engine.log"
+        command = harness_command(self.model_path, cfg.batch, cfg.engine_one_array_logprobs)
+        if cfg.engine_kept:
+            if self.engine is None:
+                self.engine = EngineWorker(command, self.native.env(), log_path,
+                                           cfg.startup_timeout)
+                self.stack.callback(self.engine.stop)
+            self.engine.run(workload, prompts_file, out)
+        else:
+            run_fresh(command, workload, prompts_file, out, self.native.env(), log_path)
         if not out.exists():
-            raise RuntimeError(f"the engine harness wrote no result; see {self.workdir}/engine.log")
-        return json.loads(out.read_text())
+            raise RuntimeError(f"the engine harness wrote no result; see {log_path}")
+        return dict(json.loads(out.read_text()))
 
     def warm_servers(self) -> None:
         for name, server in self.servers.items():
@@ -303,7 +305,7 @@ def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str],
     try:
         with contextlib.ExitStack() as stack:  # stops every started server, always
             servers = start_servers(config, model_path, workdir, native, stack)
-            runner = ABRunner(config, model_path, workdir, servers, native)
+            runner = ABRunner(config, model_path, workdir, servers, native, stack)
             if rss_requests:
                 report["rss"] = rss_run(servers[OURS], runner, rss_requests, rss_warmup)
             else:
@@ -359,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-one-array-logprobs", action="store_true",
                    help="the engine harness steps with mlx_serve's decode step instead of "
                         "mlx-lm's own (the ratio is then the server's overhead alone)")
+    p.add_argument("--engine-process", choices=("kept", "fresh"), default="kept",
+                   help="kept: one engine-harness process loads the model once and runs "
+                        "every engine run, as the servers stay loaded (default); fresh: a "
+                        "process per run (always so with --isolate)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
     p.add_argument("--rss-run", type=int, default=None, metavar="N",
                    help="memory mode: N requests against mlx_serve, RSS drift")
@@ -387,7 +393,8 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
         health_probe=args.health_probe or None, targets=tuple(args.targets.split(",")),
         blas=args.blas, allocator=args.allocator, rate=args.rate, settle=args.settle,
         isolate=args.isolate,
-        engine_one_array_logprobs=args.engine_one_array_logprobs)
+        engine_one_array_logprobs=args.engine_one_array_logprobs,
+        keep_engine=args.engine_process == "kept")
 
 
 def main(argv: list[str] | None = None) -> int:

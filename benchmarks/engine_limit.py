@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from benchmarks.host import HostWatch
 from benchmarks.metrics import (
@@ -180,19 +180,22 @@ def _arrival_times(workload: Workload) -> list[float]:
     return times
 
 
-def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
-                     prompts: list[str], warmup_prompts: list[str],
-                     detokenize: bool = True, cache_limit_bytes: int | None = None
-                     ) -> dict[str, Any]:
-    """Load the model, warm up, run the workload; return the loadgen-shaped result."""
+def load_harness(model_path: str, batch: BatchSettings, detokenize: bool = True,
+                 cache_limit_bytes: int | None = None) -> EngineHarness:
+    """Load the model (once) into a harness that can run any number of workloads."""
     import mlx.core as mx
     from mlx_lm import load
 
     if cache_limit_bytes is not None:  # as mlx_serve's --mlx-cache-limit-bytes
         mx.set_cache_limit(cache_limit_bytes)
-
     model, tokenizer = load(model_path)[:2]
-    harness = EngineHarness(model, tokenizer, batch, detokenize)
+    return EngineHarness(model, tokenizer, batch, detokenize)
+
+
+def measure(harness: EngineHarness, model_path: str, workload: Workload, prompts: list[str],
+            warmup_prompts: list[str]) -> dict[str, Any]:
+    """Warm up, run the workload; return the loadgen-shaped result."""
+    tokenizer = harness.tokenizer
     encode = [list(tokenizer.encode(p)) for p in prompts]
     if warmup_prompts:
         warm = Workload(workload.prompt_tokens, workload.output_tokens, len(warmup_prompts), 1)
@@ -206,9 +209,41 @@ def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
     cpu_per_token_by_thread(summary, cpu_by_role(pid, threads_start, thread_times(), stepping))
     summary["prompt_tokens"] = sum(len(p) for p in encode[:summary["completed"]])
     target = {"engine": "mlx_lm BatchGenerator", "model": model_path,
-              "detokenize": detokenize, **batch.__dict__}
+              "detokenize": harness.detokenize, "pid": pid, **harness.batch.__dict__}
     summary["host"] = host.record()
     return {"target": target, "workload": workload.as_dict(), "summary": summary}
+
+
+def run_engine_limit(model_path: str, workload: Workload, batch: BatchSettings,
+                     prompts: list[str], warmup_prompts: list[str],
+                     detokenize: bool = True, cache_limit_bytes: int | None = None
+                     ) -> dict[str, Any]:
+    """Load the model, warm up, run the workload; return the loadgen-shaped result."""
+    harness = load_harness(model_path, batch, detokenize, cache_limit_bytes)
+    return measure(harness, model_path, workload, prompts, warmup_prompts)
+
+
+def serve_jobs(harness: EngineHarness, model_path: str, jobs: TextIO, replies: TextIO) -> None:
+    """Run one workload per line of ``jobs`` until it ends, the model loaded once.
+
+    A job is ``{"workload": {...}, "prompts_file": PATH, "json": PATH}``; the result goes
+    to its ``json`` file, then one reply line: ``{"failed": N}`` or ``{"error": "..."}``.
+    """
+    for line in jobs:
+        if not line.strip():
+            continue
+        try:
+            job = json.loads(line)
+            with open(job["prompts_file"]) as fh:
+                data = json.load(fh)
+            workload = Workload(**job["workload"])
+            result = measure(harness, model_path, workload, data["prompts"],
+                             data.get("warmup", []))
+            report_run(result, f"engine {model_path} {workload.as_dict()}", job["json"])
+            reply: dict[str, Any] = {"failed": result["summary"]["failed"]}
+        except Exception as exc:  # the runner decides; this process stays ready
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), file=replies, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlx-cache-limit-bytes", type=int, default=None,
                    help="cap MLX's buffer cache (as mlx_serve's flag of that name)")
     p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument("--jobs", action="store_true",
+                   help="load the model once, then run one job per line of standard input "
+                        "(benchmarks/engine_worker.py); the workload options are ignored")
     return p
 
 
@@ -255,10 +293,24 @@ def main(argv: list[str] | None = None) -> int:
                         args.concurrency, args.seed, args.rate, args.time_limit)
     batch = BatchSettings(args.decode_batch_size, args.prefill_batch_size,
                           args.prefill_step_size, args.one_array_logprobs)
+    if args.jobs:
+        return _serve_jobs(args, batch)
     prompts, warmup = _prompts(args)
     result = run_engine_limit(args.model, workload, batch, prompts, warmup, args.detokenize,
                               args.mlx_cache_limit_bytes)
     return report_run(result, f"engine {args.model} {workload.as_dict()}", args.json)
+
+
+def _serve_jobs(args: argparse.Namespace, batch: BatchSettings) -> int:
+    # Replies own standard output; anything else printed (tables, libraries' notes)
+    # goes to standard error, the log.
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    harness = load_harness(args.model, batch, args.detokenize, args.mlx_cache_limit_bytes)
+    print(json.dumps({"ready": os.getpid()}), file=replies, flush=True)
+    serve_jobs(harness, args.model, sys.stdin, replies)
+    return 0
 
 
 if __name__ == "__main__":

@@ -112,6 +112,74 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
         httpx.get(served["target"]["base_url"] + "/health", timeout=5)
 
 
+def test_the_ab_runner_keeps_one_engine_process_for_every_engine_run_and_stops_it(
+        tiny_model_dir, tmp_path, monkeypatch):
+    import os
+
+    from benchmarks import ab
+
+    monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
+    config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(1, 2), rounds=2,
+                         prompt_tokens=16, output_tokens=8, requests_per_stream=1,
+                         min_requests=2, batch=ab.BatchConfig(8, 8, 512),
+                         run_time_limit=60.0, health_probe=None, blas="reference",
+                         targets=(ab.ENGINE,))
+    report = ab.run_ab(config, None, [])
+    assert "error" not in report
+    assert [(r["round"], r["concurrency"]) for r in report["runs"]] == [
+        (0, 1), (0, 2), (1, 1), (1, 2)]
+    pids = {r["result"]["target"]["pid"] for r in report["runs"]}
+    assert len(pids) == 1  # the model was loaded once
+    for run in report["runs"]:
+        summary = run["result"]["summary"]
+        assert (summary["completed"], summary["failed"]) == (2, 0)
+        assert summary["cpu_ms_per_token_by_thread"]["stepping"] > 0
+    (pid,) = pids
+    assert not os.path.exists(f"/proc/{pid}")  # stopped on the way out
+
+
+def test_a_failed_engine_job_is_reported_and_the_worker_serves_the_next(tiny_model_dir,
+                                                                       tmp_path):
+    import os
+
+    from benchmarks.engine_worker import EngineWorker, harness_command
+    from benchmarks.servers import BatchConfig
+
+    command = harness_command(str(tiny_model_dir), BatchConfig(8, 8, 512), False)
+    worker = EngineWorker(command, dict(os.environ), tmp_path / "engine.log", 120.0)
+    try:
+        workload = Workload(16, 4, num_requests=1, concurrency=1, time_limit=30.0)
+        with pytest.raises(RuntimeError, match="FileNotFoundError"):
+            worker.run(workload, tmp_path / "missing.json", tmp_path / "out.json")
+        prompts = build_prompts(load_tokenizer(str(tiny_model_dir)), 2, 16, seed=5)
+        (tmp_path / "prompts.json").write_text(
+            json.dumps({"prompts": prompts[1:], "warmup": prompts[:1]}))
+        worker.run(workload, tmp_path / "prompts.json", tmp_path / "out.json")
+        result = json.loads((tmp_path / "out.json").read_text())
+        assert result["summary"]["completed"] == 1
+        assert result["target"]["pid"] == worker.pid
+    finally:
+        worker.stop()
+    assert worker.proc.returncode == 0  # it ended at the end of its input
+
+
+def test_an_engine_worker_that_never_answers_times_out_and_is_stopped(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.engine_worker import EngineWorker
+
+    pid_file = tmp_path / "pid"
+    silent = [sys.executable, "-c", "import os, sys, time; "
+              "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)", str(pid_file)]
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        EngineWorker(silent, {}, tmp_path / "engine.log", 5.0)
+    assert time.monotonic() - started < 30
+    assert not os.path.exists(f"/proc/{pid_file.read_text()}")  # stopped, not left behind
+
+
 def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatch):
     from benchmarks import env_ab
 
