@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.servers import BatchConfig, cache_limit_flag
+from benchmarks.servers import BatchConfig, cache_limit_flag, end_process
 from benchmarks.workload import Workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -118,13 +118,7 @@ class EngineWorker:
                 self.proc.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.proc.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout)
+        end_process(self.proc, (signal.SIGTERM, signal.SIGKILL), timeout)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()

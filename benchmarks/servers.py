@@ -122,14 +122,20 @@ class ServerProcess:
         return body if isinstance(body, dict) else None
 
     def stop(self, timeout: float = 10.0) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-            if self.proc.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout)
+        end_process(self.proc, (signal.SIGINT, signal.SIGTERM, signal.SIGKILL), timeout)
         self._log.close()
+
+
+def end_process(proc: subprocess.Popen[bytes], signals: tuple[int, ...],
+                timeout: float) -> None:
+    """Send each signal in turn until ``proc`` has ended, waiting up to ``timeout`` after each."""
+    for sig in signals:
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout)
 
 
 def rss_bytes(pid: int) -> int:
