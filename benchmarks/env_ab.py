@@ -30,7 +30,6 @@ from typing import Any
 
 from benchmarks.ab import (
     RESULTS_DIR,
-    measured_load,
     resolve_model_path,
     resolve_native,
     rotated,
@@ -38,6 +37,7 @@ from benchmarks.ab import (
 from benchmarks.host import describe
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
+from benchmarks.server_load import measured_load
 from benchmarks.servers import BatchConfig, NativeLibs, ServerProcess, mlx_serve_command, spawn
 from benchmarks.stalls import describe_stalls, read_stalls, with_stall_log
 from benchmarks.threads import describe_threads
