@@ -223,6 +223,29 @@ def test_the_decode_step_comparison_times_both_steps_and_finds_the_same_tokens(
         assert row[name]["ms_per_step"] > 0 and row[name]["cpu_ms_per_step"] >= 0
 
 
+def test_the_layer_comparison_runs_every_layer_on_the_same_tokens(tiny_model_dir, tmp_path):
+    from benchmarks import layers
+
+    out = tmp_path / "layers.json"
+    assert layers.main(["--model", str(tiny_model_dir), "--native", "off", "--rounds", "2",
+                        "--concurrency", "2", "--requests", "3", "--prompt-tokens", "12",
+                        "--output-tokens", "6", "--run-time-limit", "60",
+                        "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    # Every layer ran in every round, the order rotating between rounds.
+    assert sorted((r["round"], r["layer"]) for r in runs) == sorted(
+        (rnd, layer) for rnd in (0, 1) for layer in layers.LAYERS)
+    n = len(layers.LAYERS)
+    assert [r["layer"] for r in runs[:n]] != [r["layer"] for r in runs[n:]]
+    # Each run decoded its own three prompts (an EOS may end one early) in counted steps.
+    assert all(3 <= r["tokens"] <= 18 for r in runs)
+    assert all(r["steps"] > 0 and r["ms_per_step"] > 0 for r in runs)
+    table = result["ratios"]
+    assert table["engine"]["ms_per_step"]["median"] == 1.0
+    assert all(table[layer]["tok_s"]["n"] == 2 for layer in layers.LAYERS)
+
+
 def test_steal_share_is_read_from_the_cpu_line_of_proc_stat(tmp_path):
     from benchmarks.host import cpu_times, steal_share
 

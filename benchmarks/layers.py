@@ -1,0 +1,306 @@
+"""Where mlx_serve's step time goes, layer by layer, in one process on one set of weights.
+
+The same closed-loop workload (seeded prompts, fixed output length, greedy) runs through
+five layers, interleaved round by round in a rotating order:
+
+- ``engine``: the engine harness (mlx-lm's ``BatchGenerator``, its stock decode step),
+  the ceiling that ``ab`` compares against;
+- ``engine-1arr``: the same harness with mlx_serve's one-array decode step;
+- ``runner``: mlx_serve's ``Runner.step`` in a plain loop on the MLX thread (admission,
+  text, deltas, prefix cache), no actor and no event loop;
+- ``runner-nocache``: the same runner with its prefix cache off (what storing every
+  finished request's KV costs);
+- ``actor``: the ``Engine`` actor on a uvloop event loop, its clients in-process tasks
+  reading their reply streams: everything but HTTP.
+
+Every run gets prompts of its own, so that no layer finds another's in its prefix cache
+(mlx_serve's runner keeps one, 1 GiB by default; the harness has none). Each run reports
+ms per batch step, tokens per step and tokens/s; each layer's ms per
+step over the engine's in the same round is the figure, median [min-max] over rounds.
+Beside ``ab``'s mlx_serve over the engine (the same settings), it tells which layer a gap
+comes from: what ``actor`` does not show is the HTTP layer's.
+
+    python -m benchmarks.layers --model tiny --concurrency 1 --rounds 6
+    python -m benchmarks.layers --model DIR --concurrency 1 --rounds 8 \\
+        --decode-batch-size 128 --prefill-step-size 2048 --mlx-cache-limit-bytes 4000000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.ab import rotated
+from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
+from benchmarks.report import spread
+from benchmarks.workload import Workload, build_prompts, load_tokenizer
+
+LAYERS = ("engine", "engine-1arr", "runner", "runner-nocache", "actor")
+_PRELOADED = "MLX_SERVE_LAYERS_PRELOADED"
+
+
+class Layers:
+    """The layers over one loaded model; ``run(layer, count)`` measures one run."""
+
+    def __init__(self, model_path: str, args: argparse.Namespace, texts: list[str]) -> None:
+        from mlx_serve.mlx_thread import MLXThread
+
+        self.args = args
+        batch = BatchSettings(args.decode_batch_size, args.prefill_batch_size,
+                              args.prefill_step_size)
+        self.harness = load_harness(model_path, batch, True, args.mlx_cache_limit_bytes)
+        # The servers' tokenization of /v1/completions text (see benchmarks.workload).
+        self._prompts = iter([list(self.harness.tokenizer.encode(t)) for t in texts])
+        self.harness_1arr = EngineHarness(self.harness.model, self.harness.tokenizer,
+                                          BatchSettings(**{**batch.__dict__,
+                                                           "one_array_logprobs": True}))
+        self.mlx = MLXThread()
+        self.runner = self.mlx.submit(self._new_runner, args.prefix_cache_bytes).result()
+        self.runner_nocache = self.mlx.submit(self._new_runner, 0).result()
+        self._ids = itertools.count()
+
+    def _new_runner(self, prefix_cache_bytes: int) -> Any:
+        from mlx_serve.failpoints import FailPoints
+        from mlx_serve.runner import BatchLimits
+        from mlx_serve.runner.batch import DEFAULT_CONTEXT_LENGTH, Runner
+
+        a, tokenizer = self.args, self.harness.tokenizer
+        return Runner(self.harness.model, tokenizer, context_length=DEFAULT_CONTEXT_LENGTH,
+                      vocab_size=tokenizer.vocab_size, failpoints=FailPoints(),
+                      limits=BatchLimits(a.decode_batch_size, a.prefill_batch_size,
+                                         a.prefill_step_size),
+                      prefix_cache_bytes=prefix_cache_bytes)
+
+    def close(self) -> None:
+        self.mlx.stop(timeout=10)
+
+    def fresh_prompts(self, count: int) -> list[list[int]]:
+        """The next ``count`` prompts, none of them given out before."""
+        prompts = list(itertools.islice(self._prompts, count))
+        if len(prompts) < count:
+            raise RuntimeError("out of prompts")
+        return prompts
+
+    def run(self, layer: str, count: int) -> dict[str, Any]:
+        """One run of ``layer`` over ``count`` fresh prompts."""
+        prompts = self.fresh_prompts(count)
+        runs: dict[str, Callable[[list[list[int]]], tuple[int, int]]] = {
+            "engine": lambda p: self._harness(self.harness, p),
+            "engine-1arr": lambda p: self._harness(self.harness_1arr, p),
+            "runner": lambda p: self.mlx.submit(self._runner_loop, self.runner, p).result(),
+            "runner-nocache": lambda p: self.mlx.submit(self._runner_loop, self.runner_nocache,
+                                                        p).result(),
+            "actor": self._actor,
+        }
+        started = time.perf_counter()
+        steps, tokens = runs[layer](prompts)
+        wall = time.perf_counter() - started
+        return {"layer": layer, "wall_s": round(wall, 4), "steps": steps, "tokens": tokens,
+                "ms_per_step": round(wall / steps * 1e3, 4) if steps else None,
+                "tokens_per_step": round(tokens / steps, 3) if steps else None,
+                "tok_s": round(tokens / wall, 2) if wall > 0 else None}
+
+    def _request(self, prompt: list[int]) -> Any:
+        from mlx_serve.generation import GenerationRequest, SamplingParams
+
+        params = SamplingParams(max_tokens=self.args.output_tokens, temperature=0.0)
+        return GenerationRequest(f"layers-{next(self._ids)}", tuple(prompt), params)
+
+    def _harness(self, harness: EngineHarness, prompts: list[list[int]]) -> tuple[int, int]:
+        a = self.args
+        workload = Workload(a.prompt_tokens, a.output_tokens, len(prompts), a.concurrency,
+                            time_limit=a.run_time_limit)
+        summary = harness.run(prompts, workload)
+        if summary["failed"]:
+            raise RuntimeError(f"engine: {summary['failed']} requests not finished")
+        return summary["steps"], summary["output_tokens"]
+
+    def _runner_loop(self, runner: Any, prompts: list[list[int]]) -> tuple[int, int]:
+        """On the MLX thread: keep ``concurrency`` requests in ``runner``, step it."""
+        waiting = [self._request(p) for p in prompts]
+        waiting.reverse()
+        deadline = time.monotonic() + self.args.run_time_limit
+        open_requests = steps = tokens = 0
+        while waiting or open_requests:
+            if time.monotonic() > deadline:
+                runner.forget(runner.live_ids())
+                raise RuntimeError("runner: not finished within the run time limit")
+            admit = [waiting.pop() for _ in range(min(len(waiting),
+                                                      self.args.concurrency - open_requests))]
+            open_requests += len(admit)
+            outcome = runner.step(admit, ())
+            if outcome.error is not None or outcome.failed:
+                raise RuntimeError(f"runner: {outcome.error or outcome.failed}")
+            steps += outcome.ran_batch
+            for _, delta in outcome.deltas:
+                tokens += delta.token_count
+                open_requests -= delta.finish_reason is not None
+        return steps, tokens
+
+    def _actor(self, prompts: list[list[int]]) -> tuple[int, int]:
+        import uvloop
+
+        return uvloop.run(self._actor_run(prompts))
+
+    async def _actor_run(self, prompts: list[list[int]]) -> tuple[int, int]:
+        from mlx_serve.engine import Engine, EngineConfig
+        from mlx_serve.generation import Failure
+
+        a = self.args
+        engine = Engine(lambda: self.runner, EngineConfig(max_running=a.decode_batch_size),
+                        self.mlx)
+        actor = asyncio.ensure_future(engine.run())
+        queue = iter(prompts)
+        tokens = 0
+
+        async def client() -> None:
+            nonlocal tokens
+            for prompt in queue:
+                async with engine.submit(self._request(prompt)) as handle:
+                    async for event in handle:
+                        if isinstance(event, Failure):
+                            raise RuntimeError(f"actor: {event.error}")
+                        tokens += event.token_count
+                        if event.finish_reason is not None:
+                            break
+
+        try:
+            await asyncio.wait_for(engine.ready.wait(), a.run_time_limit)
+            first = engine.statistics().steps
+            clients = [asyncio.ensure_future(client()) for _ in range(a.concurrency)]
+            await asyncio.wait_for(asyncio.gather(*clients), a.run_time_limit)
+            return engine.statistics().steps - first, tokens
+        finally:
+            engine.abort()
+            await asyncio.wait_for(engine.finished.wait(), 30)
+            await actor
+
+
+def measure(layers: Layers, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Warm every layer once, then ``rounds`` rounds of every layer, rotating the order."""
+    for layer in args.layers:
+        layers.run(layer, 1)
+    runs = []
+    started = time.monotonic()
+    for rnd in range(args.rounds):
+        if time.monotonic() - started > args.time_limit:
+            print(f"time limit reached after {rnd} rounds", file=sys.stderr)
+            break
+        for layer in rotated(tuple(args.layers), rnd):
+            run = {"round": rnd, **layers.run(layer, args.requests)}
+            runs.append(run)
+            print(f"round {rnd} {layer:12s} {run['ms_per_step']:8.3f} ms/step  "
+                  f"{run['tokens_per_step']:7.2f} tokens/step  {run['tok_s']:9.1f} tok/s",
+                  flush=True)
+    return runs
+
+
+def ratios(runs: list[dict[str, Any]], base: str = "engine") -> dict[str, Any]:
+    """Per layer: ms/step and tok/s over ``base``'s in the same round, median [min-max]."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        by_round.setdefault(run["round"], {})[run["layer"]] = run
+    out: dict[str, Any] = {}
+    for layer in dict.fromkeys(run["layer"] for run in runs):
+        pairs = [(r[layer], r[base]) for r in by_round.values() if layer in r and base in r]
+        out[layer] = {
+            "ms_per_step": spread([x["ms_per_step"] / b["ms_per_step"] for x, b in pairs]),
+            "tok_s": spread([x["tok_s"] / b["tok_s"] for x, b in pairs]),
+        }
+    return out
+
+
+def format_ratios(table: dict[str, Any], base: str = "engine") -> str:
+    def cell(sp: dict[str, float] | None) -> str:
+        return "-" if sp is None else f"{sp['median']:.2f} [{sp['min']:.2f}-{sp['max']:.2f}]"
+
+    lines = [f"| layer | ms/step over {base} | tok/s over {base} |", "|---|---|---|"]
+    lines += [f"| {layer} | {cell(r['ms_per_step'])} | {cell(r['tok_s'])} |"
+              for layer, r in table.items()]
+    return "\n".join(lines)
+
+
+def preload_native(argv: list[str]) -> None:
+    """On Linux, restart once with OpenBLAS and jemalloc preloaded where installed, as
+    mlx_serve and ``ab``'s contenders run (returns when nothing changes)."""
+    from mlx_serve.preload import wanted_preloads
+
+    if not sys.platform.startswith("linux") or os.environ.get(_PRELOADED):
+        return
+    libraries = wanted_preloads(None, None)
+    if libraries:
+        env = {**os.environ, _PRELOADED: "1",
+               "LD_PRELOAD": ":".join([*libraries, *filter(None, [os.environ.get("LD_PRELOAD")])])}
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.layers", *argv], env)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.layers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny",
+                   help="tiny | default (SmolLM2 4-bit) | default-f32 | a model folder")
+    p.add_argument("--layers", type=lambda s: s.split(","), default=list(LAYERS),
+                   help=f"comma-separated, the first being the base (default {','.join(LAYERS)})")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per run (default: 4 per stream, at least 8)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-batch-size", type=int, default=64)
+    p.add_argument("--prefill-batch-size", type=int, default=8)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
+                   help="the runner's and actor's prefix cache (mlx_serve's default: 1 GiB)")
+    p.add_argument("--mlx-cache-limit-bytes", type=int, default=None)
+    p.add_argument("--run-time-limit", type=float, default=120.0, help="seconds per run")
+    p.add_argument("--time-limit", type=float, default=600.0,
+                   help="no new round starts after this many seconds")
+    p.add_argument("--native", choices=("auto", "off"), default="auto",
+                   help="auto: preload OpenBLAS and jemalloc where installed")
+    p.add_argument("--out", default=None, help="results JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if unknown := set(args.layers) - set(LAYERS):
+        raise SystemExit(f"unknown layers: {', '.join(sorted(unknown))}")
+    if args.native == "auto":
+        preload_native(argv)
+    from benchmarks.ab import resolve_model_path
+    from benchmarks.environment import describe
+
+    args.requests = args.requests or max(8, 4 * args.concurrency)
+    with tempfile.TemporaryDirectory(prefix="layers-") as workdir:
+        model_path = resolve_model_path(args.model, Path(workdir))
+        # One warm-up prompt per layer, then a set of its own for every run.
+        count = len(args.layers) * (1 + args.rounds * args.requests)
+        texts = build_prompts(load_tokenizer(model_path), count, args.prompt_tokens, args.seed)
+        layers = Layers(model_path, args, texts)
+        try:
+            runs = measure(layers, args)
+        finally:
+            layers.close()
+        meta = describe(argv, model_path)
+    table = ratios(runs, args.layers[0])
+    print(format_ratios(table, args.layers[0]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(
+            {"meta": meta, "config": vars(args), "runs": runs, "ratios": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
