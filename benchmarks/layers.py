@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import sys
 import tempfile
 import time
@@ -45,7 +44,6 @@ from benchmarks.report import spread
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 LAYERS = ("engine", "engine-1arr", "runner", "runner-nocache", "actor")
-_PRELOADED = "MLX_SERVE_LAYERS_PRELOADED"
 
 
 class Layers:
@@ -229,20 +227,6 @@ def format_ratios(table: dict[str, Any], base: str = "engine") -> str:
     return "\n".join(lines)
 
 
-def preload_native(argv: list[str]) -> None:
-    """On Linux, restart once with OpenBLAS and jemalloc preloaded where installed, as
-    mlx_serve and ``ab``'s contenders run (returns when nothing changes)."""
-    from mlx_serve.preload import wanted_preloads
-
-    if not sys.platform.startswith("linux") or os.environ.get(_PRELOADED):
-        return
-    libraries = wanted_preloads(None, None)
-    if libraries:
-        env = {**os.environ, _PRELOADED: "1",
-               "LD_PRELOAD": ":".join([*libraries, *filter(None, [os.environ.get("LD_PRELOAD")])])}
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.layers", *argv], env)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.layers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -277,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if unknown := set(args.layers) - set(LAYERS):
         raise SystemExit(f"unknown layers: {', '.join(sorted(unknown))}")
-    if args.native == "auto":
-        preload_native(argv)
+    if args.native == "auto":  # as mlx_serve and ab's contenders run
+        from mlx_serve.preload import reexec_with_preloads
+
+        reexec_with_preloads(argv, None, None, module="benchmarks.layers")
     from benchmarks.ab import resolve_model_path
     from benchmarks.environment import describe
 

@@ -60,9 +60,12 @@ def test_the_restart_puts_ours_first_keeps_the_callers_and_happens_once(
     assert argv[1:] == ["-m", "mlx_serve", "--port", "9"]
     assert env["LD_PRELOAD"] == ":".join(
         [fake_libraries["openblas"], fake_libraries["jemalloc"], "/opt/theirs.so"])
+    # Another module (a benchmark tool) restarts as itself.
+    preload.reexec_with_preloads(["--rounds", "2"], None, None, module="benchmarks.layers")
+    assert calls[1][1][1:] == ["-m", "benchmarks.layers", "--rounds", "2"]
     monkeypatch.setenv("MLX_SERVE_PRELOAD_REEXEC", "1")  # the restarted process
     preload.reexec_with_preloads(["--port", "9"], None, None)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def _mapped_libraries(pid: int) -> str:

@@ -87,8 +87,8 @@ def wanted_preloads(openblas: bool | None, jemalloc: bool | None) -> list[str]:
 
 
 def reexec_with_preloads(argv: Sequence[str], openblas: bool | None,
-                         jemalloc: bool | None) -> None:
-    """On Linux, restart this command once with the wanted libraries preloaded.
+                         jemalloc: bool | None, module: str = "mlx_serve") -> None:
+    """On Linux, restart ``python -m module argv`` once with the wanted libraries preloaded.
 
     Returns normally when nothing needs to change (not Linux, already mapped, not
     installed, turned off, or this is the restarted process).
@@ -101,4 +101,4 @@ def reexec_with_preloads(argv: Sequence[str], openblas: bool | None,
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join([*libraries, *filter(None, [env.get("LD_PRELOAD")])])
     env[_REEXEC_MARK] = "1"
-    os.execve(sys.executable, [sys.executable, "-m", "mlx_serve", *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
