@@ -15,10 +15,10 @@ five layers, interleaved round by round in a rotating order:
 
 Every run gets prompts of its own, so that no layer finds another's in its prefix cache
 (mlx_serve's runner keeps one, 1 GiB by default; the harness has none). Each run reports
-ms per batch step, tokens per step and tokens/s; each layer's ms per
-step over the engine's in the same round is the figure, median [min-max] over rounds.
-Beside ``ab``'s mlx_serve over the engine (the same settings), it tells which layer a gap
-comes from: what ``actor`` does not show is the HTTP layer's.
+ms per batch step, tokens per step and tokens/s; each layer's ms per step over the
+engine's in the same round is the figure, median [min-max] over rounds. Beside ``ab``'s
+mlx_serve over the engine (the same settings), it tells which layer a gap comes from:
+what ``actor`` does not show is the HTTP layer's.
 
     python -m benchmarks.layers --model tiny --concurrency 1 --rounds 6
     python -m benchmarks.layers --model DIR --concurrency 1 --rounds 8 \\
