@@ -141,25 +141,47 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:8.2f}"
 
 
+def pooled_runs(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs of several saved A/Bs as one, each round keeping its own pairs.
+
+    A round is named (report, round), so that ratios are still taken within a round and
+    the spread is over every round of every report (runs on different machines or at
+    different times, which the median then weighs equally).
+    """
+    return [{**run, "round": (i, run["round"])}
+            for i, report in enumerate(reports) for run in report["runs"]]
+
+
+def _describe(report: dict[str, Any]) -> str:
+    meta = report.get("meta", {})
+    dirty = " plus uncommitted changes" if meta.get("git_dirty") else ""
+    return (f"{meta.get('date')}  {meta.get('command')}\n"
+            f"machine: {meta.get('machine')}\n"
+            f"code: commit {meta.get('git_commit')}{dirty}, sources {meta.get('source_digest')}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.report RESULTS.json [--runs]``: reprint a saved A/B."""
+    """``python -m benchmarks.report RESULTS.json [MORE.json ...] [--runs]``: reprint a
+    saved A/B; given several, their rounds pooled into one table."""
     import argparse
     import json
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=main.__doc__)
-    p.add_argument("results")
+    p.add_argument("results", nargs="+")
     p.add_argument("--runs", action="store_true", help="also list every run")
     args = p.parse_args(argv)
-    with open(args.results) as fh:
-        report = json.load(fh)
-    meta = report.get("meta", {})
-    print(f"{meta.get('date')}  {meta.get('command')}")
-    print(f"machine: {meta.get('machine')}")
-    dirty = " plus uncommitted changes" if meta.get("git_dirty") else ""
-    print(f"code: commit {meta.get('git_commit')}{dirty}, sources {meta.get('source_digest')}")
+    reports = []
+    for path in args.results:
+        with open(path) as fh:
+            reports.append(json.load(fh))
+    for report in reports:
+        print(_describe(report))
+    runs = reports[0]["runs"] if len(reports) == 1 else pooled_runs(reports)
     if args.runs:
-        print(format_runs(report["runs"]))
-    print(format_ratios(ratios(report["runs"])))
+        print(format_runs(runs))
+    if len(reports) > 1:
+        print(f"every round of the {len(reports)} runs above, pooled:")
+    print(format_ratios(ratios(runs)))
     return 0
 
 

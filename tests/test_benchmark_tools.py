@@ -246,6 +246,36 @@ def test_the_layer_comparison_runs_every_layer_on_the_same_tokens(tiny_model_dir
     assert all(table[layer]["tok_s"]["n"] == 2 for layer in layers.LAYERS)
 
 
+def _saved_ab(date: str, tok_s: list[tuple[float, float]]) -> dict:
+    """A saved A/B at one stream: (engine, mlx_serve) output tok/s for each round."""
+    def summary(value: float) -> dict:
+        return {"output_throughput": value, "ttft_ms": {"p50": 10.0},
+                "itl_ms": {"p50": 3.0, "p90": 4.0}, "tpot_ms": {"p50": 3.0}, "failed": 0,
+                "completed": 12, "mean_output_tokens": 128.0}
+    runs = [{"round": rnd, "concurrency": 1, "target": target,
+             "result": {"summary": summary(value)}}
+            for rnd, pair in enumerate(tok_s)
+            for target, value in zip(("engine", "mlx_serve"), pair, strict=True)]
+    return {"meta": {"date": date}, "runs": runs}
+
+
+def test_saved_ab_runs_are_reprinted_and_pooled_round_by_round(tmp_path, capsys):
+    from benchmarks import report
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    # Run A: ratios 0.5 and 0.7; run B, on a faster machine: 0.9 (its own round 0).
+    first.write_text(json.dumps(_saved_ab("A", [(100.0, 50.0), (100.0, 70.0)])))
+    second.write_text(json.dumps(_saved_ab("B", [(300.0, 270.0)])))
+    assert report.main([str(first)]) == 0
+    assert "| 1 | output tok/s | 0.60 [0.50-0.70] |" in capsys.readouterr().out
+    assert report.main([str(first), str(second), "--runs"]) == 0
+    out = capsys.readouterr().out
+    # Each ratio stays within its round (B's round 0 is not paired with A's round 0).
+    assert "every round of the 2 runs above, pooled:" in out
+    assert "| 1 | output tok/s | 0.70 [0.50-0.90] |" in out
+    assert out.count("c=1") == 6  # --runs lists all six runs
+
+
 def test_steal_share_is_read_from_the_cpu_line_of_proc_stat(tmp_path):
     from benchmarks.host import cpu_times, steal_share
 
