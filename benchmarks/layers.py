@@ -40,7 +40,7 @@ from typing import Any
 
 from benchmarks.ab import rotated
 from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
-from benchmarks.report import spread
+from benchmarks.report import cell, spread
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 LAYERS = ("engine", "engine-1arr", "runner", "runner-nocache", "actor")
@@ -218,9 +218,6 @@ def ratios(runs: list[dict[str, Any]], base: str = "engine") -> dict[str, Any]:
 
 
 def format_ratios(table: dict[str, Any], base: str = "engine") -> str:
-    def cell(sp: dict[str, float] | None) -> str:
-        return "-" if sp is None else f"{sp['median']:.2f} [{sp['min']:.2f}-{sp['max']:.2f}]"
-
     lines = [f"| layer | ms/step over {base} | tok/s over {base} |", "|---|---|---|"]
     lines += [f"| {layer} | {cell(r['ms_per_step'])} | {cell(r['tok_s'])} |"
               for layer, r in table.items()]
