@@ -35,12 +35,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 from benchmarks.ab import rotated
 from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
-from benchmarks.report import cell, spread
+from benchmarks.report import cell, pair_spread, rounds_by_concurrency
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 LAYERS = ("engine", "engine-1arr", "runner", "runner-nocache", "actor")
@@ -59,8 +61,7 @@ class Layers:
         # The servers' tokenization of /v1/completions text (see benchmarks.workload).
         self._prompts = iter([list(self.harness.tokenizer.encode(t)) for t in texts])
         self.harness_1arr = EngineHarness(self.harness.model, self.harness.tokenizer,
-                                          BatchSettings(**{**batch.__dict__,
-                                                           "one_array_logprobs": True}))
+                                          replace(batch, one_array_logprobs=True))
         self.mlx = MLXThread()
         self.runner = self.mlx.submit(self._new_runner, args.prefix_cache_bytes).result()
         self.runner_nocache = self.mlx.submit(self._new_runner, 0).result()
@@ -194,7 +195,8 @@ def measure(layers: Layers, args: argparse.Namespace) -> list[dict[str, Any]]:
             print(f"time limit reached after {rnd} rounds", file=sys.stderr)
             break
         for layer in rotated(tuple(args.layers), rnd):
-            run = {"round": rnd, **layers.run(layer, args.requests)}
+            run = {"round": rnd, "concurrency": args.concurrency,
+                   **layers.run(layer, args.requests)}
             runs.append(run)
             print(f"round {rnd} {layer:12s} {run['ms_per_step']:8.3f} ms/step  "
                   f"{run['tokens_per_step']:7.2f} tokens/step  {run['tok_s']:9.1f} tok/s",
@@ -204,17 +206,10 @@ def measure(layers: Layers, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def ratios(runs: list[dict[str, Any]], base: str = "engine") -> dict[str, Any]:
     """Per layer: ms/step and tok/s over ``base``'s in the same round, median [min-max]."""
-    by_round: dict[int, dict[str, dict[str, Any]]] = {}
-    for run in runs:
-        by_round.setdefault(run["round"], {})[run["layer"]] = run
-    out: dict[str, Any] = {}
-    for layer in dict.fromkeys(run["layer"] for run in runs):
-        pairs = [(r[layer], r[base]) for r in by_round.values() if layer in r and base in r]
-        out[layer] = {
-            "ms_per_step": spread([x["ms_per_step"] / b["ms_per_step"] for x, b in pairs]),
-            "tok_s": spread([x["tok_s"] / b["tok_s"] for x, b in pairs]),
-        }
-    return out
+    rounds = next(iter(rounds_by_concurrency(runs, "layer", lambda run: run).values()), [])
+    return {layer: {metric: pair_spread(rounds, layer, base, itemgetter(metric))
+                    for metric in ("ms_per_step", "tok_s")}
+            for layer in dict.fromkeys(run["layer"] for run in runs)}
 
 
 def format_ratios(table: dict[str, Any], base: str = "engine") -> str:

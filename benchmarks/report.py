@@ -54,7 +54,8 @@ def spread(values: list[float]) -> dict[str, float] | None:
 
 
 def rounds_by_concurrency(runs: list[dict[str, Any]], name: str = "target",
-                          summary: Getter | None = None) -> dict[int, list[dict[str, Any]]]:
+                          summary: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+                          ) -> dict[int, list[dict[str, Any]]]:
     """{concurrency: [{contender: summary} for each round]} from a flat list of runs."""
     get = summary or (lambda run: run["result"]["summary"])
     by_key: dict[tuple[int, int], dict[str, Any]] = {}
