@@ -1,7 +1,7 @@
 """Where mlx_serve's step time goes, layer by layer, in one process on one set of weights.
 
 The same closed-loop workload (seeded prompts, fixed output length, greedy) runs through
-five layers, interleaved round by round in a rotating order:
+six layers, interleaved round by round in a rotating order:
 
 - ``engine``: the engine harness (mlx-lm's ``BatchGenerator``, its stock decode step),
   the ceiling that ``ab`` compares against;
@@ -11,14 +11,17 @@ five layers, interleaved round by round in a rotating order:
 - ``runner-nocache``: the same runner with its prefix cache off (what storing every
   finished request's KV costs);
 - ``actor``: the ``Engine`` actor on a uvloop event loop, its clients in-process tasks
-  reading their reply streams: everything but HTTP.
+  reading their reply streams: everything but HTTP;
+- ``http``: the same actor behind mlx_serve's routes on uvicorn, on the same event loop,
+  streamed to ``benchmarks.loadgen`` in a process of its own (``benchmarks.layer_http``):
+  the whole server, in this process and on these weights.
 
 Every run gets prompts of its own, so that no layer finds another's in its prefix cache
 (mlx_serve's runner keeps one, 1 GiB by default; the harness has none). Each run reports
 ms per batch step, tokens per step and tokens/s; each layer's ms per step over the
-engine's in the same round is the figure, median [min-max] over rounds. Beside ``ab``'s
-mlx_serve over the engine (the same settings), it tells which layer a gap comes from:
-what ``actor`` does not show is the HTTP layer's.
+engine's in the same round is the figure, median [min-max] over rounds. Where ``ab``
+compares two processes (each on its own vCPUs, which on a shared host run at different
+speeds), this compares layers of one process, and tells which layer a gap comes from.
 
     python -m benchmarks.layers --model tiny --concurrency 1 --rounds 6
     python -m benchmarks.layers --model DIR --concurrency 1 --rounds 8 \\
@@ -45,7 +48,7 @@ from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
 from benchmarks.report import cell, pair_spread, rounds_by_concurrency
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
-LAYERS = ("engine", "engine-1arr", "runner", "runner-nocache", "actor")
+LAYERS = ("engine", "engine-1arr", "runner", "runner-nocache", "actor", "http")
 
 
 class Layers:
@@ -66,6 +69,8 @@ class Layers:
         self.runner = self.mlx.submit(self._new_runner, args.prefix_cache_bytes).result()
         self.runner_nocache = self.mlx.submit(self._new_runner, 0).result()
         self._ids = itertools.count()
+        self._http_runs = itertools.count()
+        self.model_path = model_path
 
     def _new_runner(self, prefix_cache_bytes: int) -> Any:
         from mlx_serve.failpoints import FailPoints
@@ -92,17 +97,19 @@ class Layers:
     def run(self, layer: str, count: int) -> dict[str, Any]:
         """One run of ``layer`` over ``count`` fresh prompts."""
         prompts = self.fresh_prompts(count)
-        runs: dict[str, Callable[[list[list[int]]], tuple[int, int]]] = {
+        runs: dict[str, Callable[[list[list[int]]], tuple[int, int] | tuple[int, int, float]]] = {
             "engine": lambda p: self._harness(self.harness, p),
             "engine-1arr": lambda p: self._harness(self.harness_1arr, p),
             "runner": lambda p: self.mlx.submit(self._runner_loop, self.runner, p).result(),
             "runner-nocache": lambda p: self.mlx.submit(self._runner_loop, self.runner_nocache,
                                                         p).result(),
             "actor": self._actor,
+            "http": self._http,
         }
         started = time.perf_counter()
-        steps, tokens = runs[layer](prompts)
-        wall = time.perf_counter() - started
+        steps, tokens, *own_wall = runs[layer](prompts)
+        # The http layer times its load itself: its clients' start-up is not serving.
+        wall = own_wall[0] if own_wall else time.perf_counter() - started
         return {"layer": layer, "wall_s": round(wall, 4), "steps": steps, "tokens": tokens,
                 "ms_per_step": round(wall / steps * 1e3, 4) if steps else None,
                 "tokens_per_step": round(tokens / steps, 3) if steps else None,
@@ -145,6 +152,16 @@ class Layers:
                 open_requests -= delta.finish_reason is not None
         return steps, tokens
 
+    def _http(self, prompts: list[list[int]]) -> tuple[int, int, float]:
+        import uvloop
+
+        from benchmarks.layer_http import serve_and_load
+
+        # The load generator builds prompts of its own from a seed no other run uses.
+        seed = self.args.seed + 1 + next(self._http_runs)
+        return uvloop.run(serve_and_load(self.runner, self.mlx, self.args, self.model_path,
+                                         len(prompts), seed))
+
     def _actor(self, prompts: list[list[int]]) -> tuple[int, int]:
         import uvloop
 
@@ -185,9 +202,11 @@ class Layers:
 
 
 def measure(layers: Layers, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Warm every layer once, then ``rounds`` rounds of every layer, rotating the order."""
+    """Warm every layer with one batch as wide as the runs' (a new batch width meets
+    kernels not yet built on a GPU: the first run at 64 streams took three times the
+    later ones' step), then ``rounds`` rounds of every layer, rotating the order."""
     for layer in args.layers:
-        layers.run(layer, 1)
+        layers.run(layer, args.concurrency)
     runs = []
     started = time.monotonic()
     for rnd in range(args.rounds):
@@ -263,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     args.requests = args.requests or max(8, 4 * args.concurrency)
     with tempfile.TemporaryDirectory(prefix="layers-") as workdir:
         model_path = resolve_model_path(args.model, Path(workdir))
-        # One warm-up prompt per layer, then a set of its own for every run.
-        count = len(args.layers) * (1 + args.rounds * args.requests)
+        # One warm-up batch per layer, then a set of prompts of its own for every run.
+        count = len(args.layers) * (args.concurrency + args.rounds * args.requests)
         texts = build_prompts(load_tokenizer(model_path), count, args.prompt_tokens, args.seed)
         layers = Layers(model_path, args, texts)
         try:

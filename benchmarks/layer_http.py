@@ -1,0 +1,109 @@
+"""The ``http`` layer of ``benchmarks.layers``: the actor behind mlx_serve's routes.
+
+mlx_serve's own routes, SSE path and error handlers on uvicorn (httptools, as the
+server runs them), on the same event loop as the ``Engine`` actor, in the benchmark's
+process and over its loaded runner; the clients are ``benchmarks.loadgen`` in a process
+of its own, as real clients are. What this layer costs over ``actor`` is what HTTP costs
+the batch step, measured without a second process's model, heap or vCPU in the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def loadgen_command(url: str, model_path: str, count: int, seed: int, args: Any,
+                    out: str) -> list[str]:
+    """The load generator's command line: ``count`` streamed requests, no warm-up."""
+    return [sys.executable, "-m", "benchmarks.loadgen", "--base-url", url,
+            "--tokenizer", model_path, "--concurrency", str(args.concurrency),
+            "--num-requests", str(count), "--prompt-tokens", str(args.prompt_tokens),
+            "--output-tokens", str(args.output_tokens), "--stream", "--warmup", "0",
+            "--seed", str(seed), "--time-limit", str(args.run_time_limit), "--json", out]
+
+
+async def serve_and_load(runner: Any, mlx: Any, args: Any, model_path: str, count: int,
+                         seed: int) -> tuple[int, int, float]:
+    """Serve ``runner`` over HTTP while the load generator sends ``count`` requests.
+
+    Returns the batch steps, output tokens and the load generator's duration (first
+    request sent to last reply done: its start-up is not the server's time).
+    """
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from mlx_serve.config import Settings
+    from mlx_serve.engine import Engine, EngineConfig
+    from mlx_serve.failpoints import FailPoints
+    from mlx_serve.http_errors import EXCEPTION_HANDLERS
+    from mlx_serve.routes import ROUTES
+    from mlx_serve.server_state import ServerState
+
+    engine = Engine(lambda: runner, EngineConfig(max_running=args.decode_batch_size), mlx)
+    actor = asyncio.ensure_future(engine.run())
+    app = Starlette(routes=ROUTES, exception_handlers=EXCEPTION_HANDLERS)
+    settings = Settings(model=model_path, decode_batch_size=args.decode_batch_size,
+                        prefill_batch_size=args.prefill_batch_size,
+                        prefill_step_size=args.prefill_step_size)
+    app.state.server = ServerState(settings, engine, FailPoints(), "layers")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning",
+                                           backlog=2048))
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        await asyncio.wait_for(engine.ready.wait(), args.run_time_limit)
+        await _started(server, args.run_time_limit)
+        first = engine.statistics().steps
+        summary = await _load(url, model_path, count, seed, args)
+        steps = engine.statistics().steps - first
+        if summary["failed"] or summary["completed"] != count:
+            raise RuntimeError(f"http: {summary['failed']} of {count} requests failed")
+        return steps, summary["output_tokens"], summary["duration_s"]
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 30)
+        sock.close()
+        engine.abort()
+        await asyncio.wait_for(engine.finished.wait(), 30)
+        await actor
+
+
+async def _started(server: Any, limit: float) -> None:
+    # uvicorn sets a flag once it listens and has no event for it: poll, bounded.
+    deadline = time.monotonic() + limit
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("http: uvicorn did not start")
+        await asyncio.sleep(0.01)
+
+
+async def _load(url: str, model_path: str, count: int, seed: int, args: Any
+                ) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="layer-http-") as tmp:
+        out = os.path.join(tmp, "load.json")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        proc = await asyncio.create_subprocess_exec(
+            *loadgen_command(url, model_path, count, seed, args, out), cwd=REPO, env=env,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), args.run_time_limit + 60)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise RuntimeError("http: the load generator did not finish") from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"http: the load generator failed: {err.decode()[-2000:]}")
+        return json.loads(Path(out).read_text())["summary"]
