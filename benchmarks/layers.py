@@ -201,7 +201,9 @@ class Layers:
             await actor
 
 
-def measure(layers: Layers, args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(layers: Layers, args: argparse.Namespace,
+            after_round: Callable[[list[dict[str, Any]]], None] = lambda runs: None,
+            ) -> list[dict[str, Any]]:
     """Warm every layer with one batch as wide as the runs' (a new batch width meets
     kernels not yet built on a GPU: the first run at 64 streams took three times the
     later ones' step), then ``rounds`` rounds of every layer, rotating the order."""
@@ -220,6 +222,7 @@ def measure(layers: Layers, args: argparse.Namespace) -> list[dict[str, Any]]:
             print(f"round {rnd} {layer:12s} {run['ms_per_step']:8.3f} ms/step  "
                   f"{run['tokens_per_step']:7.2f} tokens/step  {run['tok_s']:9.1f} tok/s",
                   flush=True)
+        after_round(runs)
     return runs
 
 
@@ -282,20 +285,24 @@ def main(argv: list[str] | None = None) -> int:
     args.requests = args.requests or max(8, 4 * args.concurrency)
     with tempfile.TemporaryDirectory(prefix="layers-") as workdir:
         model_path = resolve_model_path(args.model, Path(workdir))
+        meta = describe(argv, model_path)
+
+        def save(runs: list[dict[str, Any]]) -> None:
+            # After every round, so that a run cut short by an outer bound keeps its data.
+            if args.out:
+                Path(args.out).write_text(json.dumps(
+                    {"meta": meta, "config": vars(args), "runs": runs,
+                     "ratios": ratios(runs, args.layers[0])}, indent=1))
+
         # One warm-up batch per layer, then a set of prompts of its own for every run.
         count = len(args.layers) * (args.concurrency + args.rounds * args.requests)
         texts = build_prompts(load_tokenizer(model_path), count, args.prompt_tokens, args.seed)
         layers = Layers(model_path, args, texts)
         try:
-            runs = measure(layers, args)
+            runs = measure(layers, args, save)
         finally:
             layers.close()
-        meta = describe(argv, model_path)
-    table = ratios(runs, args.layers[0])
-    print(format_ratios(table, args.layers[0]))
-    if args.out:
-        Path(args.out).write_text(json.dumps(
-            {"meta": meta, "config": vars(args), "runs": runs, "ratios": table}, indent=1))
+    print(format_ratios(ratios(runs, args.layers[0]), args.layers[0]))
     return 0
 
 
