@@ -73,10 +73,11 @@ def _mlx_device() -> str | None:
     return out.stdout.strip() or None
 
 
-def describe(argv: list[str], model_path: str) -> dict[str, Any]:
+def describe(argv: list[str], model_path: str, module: str = "benchmarks.ab"
+             ) -> dict[str, Any]:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": "python -m benchmarks.ab " + " ".join(argv),
+        "command": f"python -m {module} " + " ".join(argv),
         "model_path": model_path,
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                     "platform": platform.platform(), "python": platform.python_version(),

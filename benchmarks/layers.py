@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     args.requests = args.requests or max(8, 4 * args.concurrency)
     with tempfile.TemporaryDirectory(prefix="layers-") as workdir:
         model_path = resolve_model_path(args.model, Path(workdir))
-        meta = describe(argv, model_path)
+        meta = describe(argv, model_path, "benchmarks.layers")
 
         def save(runs: list[dict[str, Any]]) -> None:
             # After every round, so that a run cut short by an outer bound keeps its data.

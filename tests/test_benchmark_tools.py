@@ -232,6 +232,7 @@ def test_the_layer_comparison_runs_every_layer_on_the_same_tokens(tiny_model_dir
                         "--output-tokens", "6", "--run-time-limit", "60",
                         "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["meta"]["command"].startswith("python -m benchmarks.layers --model")
     runs = result["runs"]
     # Every layer ran in every round, the order rotating between rounds.
     assert sorted((r["round"], r["layer"]) for r in runs) == sorted(
