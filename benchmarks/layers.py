@@ -49,6 +49,9 @@ from benchmarks.report import cell, pair_spread, rounds_by_concurrency
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 LAYERS = ("engine", "engine-1arr", "runner", "runner-nocache", "actor", "http")
+# What a layer's run counts: batch steps and output tokens, and the seconds it served
+# where the layer times itself.
+Counted = tuple[int, int] | tuple[int, int, float]
 
 
 class Layers:
@@ -97,7 +100,7 @@ class Layers:
     def run(self, layer: str, count: int) -> dict[str, Any]:
         """One run of ``layer`` over ``count`` fresh prompts."""
         prompts = self.fresh_prompts(count)
-        runs: dict[str, Callable[[list[list[int]]], tuple[int, int] | tuple[int, int, float]]] = {
+        runs: dict[str, Callable[[list[list[int]]], Counted]] = {
             "engine": lambda p: self._harness(self.harness, p),
             "engine-1arr": lambda p: self._harness(self.harness_1arr, p),
             "runner": lambda p: self.mlx.submit(self._runner_loop, self.runner, p).result(),
