@@ -87,3 +87,15 @@ def test_plain_uvicorn_serves_with_settings_from_the_environment(tiny_model_dir,
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize(("args", "logged"), [([], True), (["--no-access-log"], False)])
+def test_the_access_log_is_on_unless_turned_off(tiny_model_dir, tmp_path, args, logged):
+    from tests.server_process import ServerProcess
+
+    with ServerProcess(tiny_model_dir, tmp_path / "server.log", args=args) as server:
+        assert httpx.get(server.base_url + "/v1/models", timeout=10).status_code == 200
+        # uvicorn logs the line when the response starts, so it is in the log (stderr is
+        # line-buffered) before the client has the whole response.
+        assert ('"GET /v1/models HTTP/1.1" 200' in server.log_text()) is logged
+        assert "Application startup complete" in server.log_text()

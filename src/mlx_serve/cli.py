@@ -65,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), backlog=2048,
+                            access_log=settings.access_log,
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, app, settings.drain_timeout)
     server.run()

@@ -93,6 +93,10 @@ class Settings(BaseSettings):
     failpoints: str | None = Field(None, description="fault injection sites (see README)")
     failpoints_http: bool = Field(False, description="allow /_debug/failpoints on loopback")
     log_level: str = Field("info", description="log level")
+    access_log: bool = Field(
+        True, description="log a line per HTTP request, as uvicorn does (mlx-serve only; "
+                          "plain uvicorn has --no-access-log)",
+    )
 
     @model_validator(mode="after")
     def _debug_endpoints_only_on_loopback(self) -> Settings:
