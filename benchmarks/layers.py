@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -46,6 +47,7 @@ from typing import Any
 from benchmarks.ab import rotated
 from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
 from benchmarks.report import cell, pair_spread, rounds_by_concurrency
+from benchmarks.threads import cpu_by_role, thread_times
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 LAYERS = ("engine", "engine-1arr", "runner", "runner-nocache", "actor", "http")
@@ -109,14 +111,22 @@ class Layers:
             "actor": self._actor,
             "http": self._http,
         }
-        started = time.perf_counter()
+        threads_before, started = thread_times(), time.perf_counter()
         steps, tokens, *own_wall = runs[layer](prompts)
         # The http layer times its load itself: its clients' start-up is not serving.
         wall = own_wall[0] if own_wall else time.perf_counter() - started
+        # The harness steps on this thread; the other layers on the MLX thread, with the
+        # event loop (actor, http) on this one.
+        roles = cpu_by_role(os.getpid(), threads_before, thread_times(),
+                            os.getpid() if layer.startswith("engine") else None)
         return {"layer": layer, "wall_s": round(wall, 4), "steps": steps, "tokens": tokens,
                 "ms_per_step": round(wall / steps * 1e3, 4) if steps else None,
                 "tokens_per_step": round(tokens / steps, 3) if steps else None,
-                "tok_s": round(tokens / wall, 2) if wall > 0 else None}
+                "tok_s": round(tokens / wall, 2) if wall > 0 else None,
+                # CPU ms per step by thread role: a slow vCPU shows as a stepping thread
+                # that needs more CPU for the same step.
+                "cpu_ms_per_step": {role: round(sec / steps * 1e3, 4)
+                                    for role, sec in roles.items()} if roles and steps else None}
 
     def _request(self, prompt: list[int]) -> Any:
         from mlx_serve.generation import GenerationRequest, SamplingParams
@@ -222,8 +232,10 @@ def measure(layers: Layers, args: argparse.Namespace,
             run = {"round": rnd, "concurrency": args.concurrency,
                    **layers.run(layer, args.requests)}
             runs.append(run)
-            print(f"round {rnd} {layer:12s} {run['ms_per_step']:8.3f} ms/step  "
-                  f"{run['tokens_per_step']:7.2f} tokens/step  {run['tok_s']:9.1f} tok/s",
+            cpu = run["cpu_ms_per_step"] or {}
+            print(f"round {rnd} {layer:14s} {run['ms_per_step']:8.3f} ms/step  "
+                  f"{run['tokens_per_step']:7.2f} tokens/step  {run['tok_s']:9.1f} tok/s  "
+                  "cpu ms/step " + " ".join(f"{r} {v:.3f}" for r, v in cpu.items()),
                   flush=True)
         after_round(runs)
     return runs

@@ -242,6 +242,10 @@ def test_the_layer_comparison_runs_every_layer_on_the_same_tokens(tiny_model_dir
     # Each run decoded its own three prompts (an EOS may end one early) in counted steps.
     assert all(3 <= r["tokens"] <= 18 for r in runs)
     assert all(r["steps"] > 0 and r["ms_per_step"] > 0 for r in runs)
+    # The thread that stepped the batch used CPU in every run; in the harness's runs that
+    # is this thread, so no separate event-loop time is counted there.
+    assert all(r["cpu_ms_per_step"]["stepping"] > 0 for r in runs)
+    assert all(r["cpu_ms_per_step"]["main"] == 0 for r in runs if r["layer"] == "engine")
     table = result["ratios"]
     assert table["engine"]["ms_per_step"]["median"] == 1.0
     assert all(table[layer]["tok_s"]["n"] == 2 for layer in layers.LAYERS)
