@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.environment import ROOT
 from benchmarks.servers import BatchConfig, cache_limit_flag, end_process
 from benchmarks.workload import Workload
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def harness_command(model_path: str, batch: BatchConfig, one_array_logprobs: bool
@@ -56,7 +55,7 @@ def run_fresh(command: list[str], workload: Workload, prompts_file: Path, out: P
         subprocess.run([*command, *workload_flags(workload), "--prompts-file",
                         str(prompts_file), "--json", str(out)],
                        stdout=log, stderr=subprocess.STDOUT, check=False,
-                       timeout=workload.time_limit + 120, cwd=REPO, env=env)
+                       timeout=workload.time_limit + 120, cwd=ROOT, env=env)
 
 
 class EngineWorker:
@@ -67,7 +66,7 @@ class EngineWorker:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([*command, "--jobs"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=self._log, cwd=ROOT,
                                      env=env, start_new_session=True, bufsize=0)
         self._buffer = b""
         try:

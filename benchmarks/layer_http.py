@@ -15,11 +15,12 @@ import os
 import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+import uvicorn
+
+from benchmarks.environment import ROOT
 
 
 def loadgen_command(url: str, model_path: str, count: int, seed: int, args: Any,
@@ -39,7 +40,6 @@ async def serve_and_load(runner: Any, mlx: Any, args: Any, model_path: str, coun
     Returns the batch steps, output tokens and the load generator's duration (first
     request sent to last reply done: its start-up is not the server's time).
     """
-    import uvicorn
     from starlette.applications import Starlette
 
     from mlx_serve.config import Settings
@@ -59,12 +59,12 @@ async def serve_and_load(runner: Any, mlx: Any, args: Any, model_path: str, coun
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning",
-                                           backlog=2048))
+    server = ListeningServer(uvicorn.Config(app, lifespan="off", log_level="warning",
+                                            backlog=2048))
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
         await asyncio.wait_for(engine.ready.wait(), args.run_time_limit)
-        await _started(server, args.run_time_limit)
+        await _listening(server, serving, args.run_time_limit)
         first = engine.statistics().steps
         summary = await _load(url, model_path, count, seed, args)
         steps = engine.statistics().steps - first
@@ -80,23 +80,36 @@ async def serve_and_load(runner: Any, mlx: Any, args: Any, model_path: str, coun
         await actor
 
 
-async def _started(server: Any, limit: float) -> None:
-    # uvicorn sets a flag once it listens and has no event for it: poll, bounded.
-    deadline = time.monotonic() + limit
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("http: uvicorn did not start")
-        await asyncio.sleep(0.01)
+class ListeningServer(uvicorn.Server):
+    """uvicorn's server with an event for "listening" (uvicorn itself has only a flag)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        self.listening.set()
+
+
+async def _listening(server: ListeningServer, serving: asyncio.Future[Any],
+                     limit: float) -> None:
+    """Until uvicorn listens; an error if it ended first or took over ``limit``."""
+    listening: asyncio.Future[Any] = asyncio.ensure_future(server.listening.wait())
+    done, _ = await asyncio.wait({listening, serving}, timeout=limit,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if listening not in done:
+        listening.cancel()
+        raise RuntimeError("http: uvicorn did not start")
 
 
 async def _load(url: str, model_path: str, count: int, seed: int, args: Any
                 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="layer-http-") as tmp:
         out = os.path.join(tmp, "load.json")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        # From the checkout's root, ``-m benchmarks.loadgen`` finds this checkout's tools.
         proc = await asyncio.create_subprocess_exec(
-            *loadgen_command(url, model_path, count, seed, args, out), cwd=REPO, env=env,
+            *loadgen_command(url, model_path, count, seed, args, out), cwd=ROOT,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         try:
             _, err = await asyncio.wait_for(proc.communicate(), args.run_time_limit + 60)
