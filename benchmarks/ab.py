@@ -37,6 +37,7 @@ from benchmarks.servers import (
     BatchConfig,
     NativeLibs,
     ServerProcess,
+    add_shape_args,
     mlx_lm_command,
     mlx_serve_command,
     spawn,
@@ -299,14 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=None,
                    help="open loop: Poisson arrivals per second (concurrency is the cap)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=128)
+    add_shape_args(p)
     p.add_argument("--requests-per-stream", type=int, default=4,
                    help="a run sends max(--min-requests, this x concurrency) requests")
     p.add_argument("--min-requests", type=int, default=16)
-    p.add_argument("--decode-batch-size", type=int, default=64)
-    p.add_argument("--prefill-batch-size", type=int, default=8)
-    p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--api", choices=("completions", "chat"), default="completions")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--run-time-limit", type=float, default=120.0, help="seconds per run")

@@ -33,6 +33,7 @@ from benchmarks.metrics import (
     step_figures,
     summarize,
 )
+from benchmarks.servers import add_shape_args
 from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
 from benchmarks.workload import Workload, build_prompts
 
@@ -252,15 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="mlx-lm model folder")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=128)
+    add_shape_args(p, decode_batch_size=32)
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson requests/s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=300.0)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--decode-batch-size", type=int, default=32)
-    p.add_argument("--prefill-batch-size", type=int, default=8)
-    p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--one-array-logprobs", action="store_true",
                    help="step with mlx_serve's decode step instead of mlx-lm's own")

@@ -38,7 +38,14 @@ from benchmarks.host import describe
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
 from benchmarks.server_load import measured_load
-from benchmarks.servers import BatchConfig, NativeLibs, ServerProcess, mlx_serve_command, spawn
+from benchmarks.servers import (
+    BatchConfig,
+    NativeLibs,
+    ServerProcess,
+    add_shape_args,
+    mlx_serve_command,
+    spawn,
+)
 from benchmarks.stalls import describe_stalls, read_stalls, with_stall_log
 from benchmarks.threads import describe_threads
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
@@ -155,13 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")],
                    default=[1, 16])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=128)
+    add_shape_args(p)
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=8)
-    p.add_argument("--decode-batch-size", type=int, default=64)
-    p.add_argument("--prefill-batch-size", type=int, default=8)
-    p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--health-probe", type=float, default=0.0, help="seconds; 0 disables")
     p.add_argument("--run-time-limit", type=float, default=120.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)

@@ -47,6 +47,7 @@ from typing import Any
 from benchmarks.ab import rotated
 from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
 from benchmarks.report import cell, pair_spread, rounds_by_concurrency
+from benchmarks.servers import add_shape_args
 from benchmarks.threads import cpu_by_role, thread_times
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
@@ -267,12 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=None,
                    help="requests per run (default: 4 per stream, at least 8)")
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=128)
+    add_shape_args(p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--decode-batch-size", type=int, default=64)
-    p.add_argument("--prefill-batch-size", type=int, default=8)
-    p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
                    help="the runner's and actor's prefix cache (mlx_serve's default: 1 GiB)")
     p.add_argument("--mlx-cache-limit-bytes", type=int, default=None)

@@ -6,6 +6,7 @@ which then stops it in order): SIGINT, then SIGTERM, then SIGKILL, each bounded.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -31,6 +32,17 @@ class BatchConfig:
     # MLX's buffer cache cap for the engine harness and mlx_serve (mlx_lm.server has
     # none): MLX sizes its cache to the whole device, which co-located processes share.
     mlx_cache_limit_bytes: int | None = None
+
+
+def add_shape_args(p: argparse.ArgumentParser,
+                   decode_batch_size: int = BatchConfig.decode_batch_size) -> None:
+    """The flags every tool shares for a run's shape: prompt and output lengths, and the
+    batch settings (BatchConfig's defaults), so that the tools cannot drift apart."""
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--decode-batch-size", type=int, default=decode_batch_size)
+    p.add_argument("--prefill-batch-size", type=int, default=BatchConfig.prefill_batch_size)
+    p.add_argument("--prefill-step-size", type=int, default=BatchConfig.prefill_step_size)
 
 
 def free_port() -> int:
