@@ -89,7 +89,12 @@ class Engine:
         if self._state not in (EngineState.READY, EngineState.RECOVERING):
             raise self.unavailable_error()
         reply = ReplyChannel[ReplyEvent](producers=len(requests), wake_every=wake_every)
-        handle = RequestHandle(requests[0].request_id, reply)
+        self.submit_to(reply, *requests)
+        return RequestHandle(requests[0].request_id, reply)
+
+    def submit_to(self, reply: ReplyChannel[ReplyEvent], *requests: GenerationRequest) -> None:
+        """Queue requests that answer on ``reply`` (one producer each); on an error the
+        reply is closed and the error raised."""
         try:
             for request in requests:
                 self._inbox_send.send_nowait(OpenRequest(request, reply))
@@ -97,12 +102,11 @@ class Engine:
                 self._arrived = True
                 self._wake()
         except anyio.WouldBlock:
-            handle.close()  # any already queued sibling is dropped as "client gone"
+            reply.close()  # any already queued sibling is dropped as "client gone"
             raise OverloadedError("the server is at capacity; retry shortly") from None
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            handle.close()
+            reply.close()
             raise EngineDeadError("the generation engine has stopped") from None
-        return handle
 
     def statistics(self) -> EngineStatistics:
         started = self._step_started
@@ -375,9 +379,14 @@ class Engine:
         self._requests.answer_queued(Failure(error))
 
     def unavailable_error(self) -> MLXServeError:
-        if self._state in (EngineState.FAILED, EngineState.STOPPED):
-            return EngineDeadError(f"the generation engine has {self._state.value}")
-        return EngineUnavailableError(f"the server is {self._state.value}; retry later")
+        return unavailable_error(self._state)
+
+
+def unavailable_error(state: EngineState) -> MLXServeError:
+    """Why an engine in ``state`` takes no requests."""
+    if state in (EngineState.FAILED, EngineState.STOPPED):
+        return EngineDeadError(f"the generation engine has {state.value}")
+    return EngineUnavailableError(f"the server is {state.value}; retry later")
 
 
 def _as_request_error(exc: Exception) -> MLXServeError:

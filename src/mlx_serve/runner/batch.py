@@ -71,8 +71,10 @@ class Runner:
         failpoints: FailPoints,
         prefix_cache_bytes: int = 0,
         one_array_logprobs: bool = True,
+        model_path: str = "",
     ) -> None:
         self.model = model
+        self.model_path = model_path  # where the tokenizer can be loaded from again
         self.tokenizer = tokenizer
         self.encode = PromptEncoder(tokenizer)  # prompts, on the event loop
         self.context_length = context_length
@@ -363,4 +365,4 @@ def load_runner(
     vocab = config.get("vocab_size") or len(tokenizer.get_vocab())
     return Runner(model, tokenizer, context_length=int(context), vocab_size=int(vocab),
                   limits=limits, failpoints=failpoints, prefix_cache_bytes=prefix_cache_bytes,
-                  one_array_logprobs=one_array_logprobs)
+                  one_array_logprobs=one_array_logprobs, model_path=str(path))
