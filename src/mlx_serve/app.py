@@ -28,6 +28,7 @@ from mlx_serve.failpoints import FailPoints
 from mlx_serve.http_errors import EXCEPTION_HANDLERS
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import DEFAULT_MODEL_ID
+from mlx_serve.remote_engine import RemoteEngine
 from mlx_serve.routes import ROUTES
 from mlx_serve.server_state import ServerState
 
@@ -46,13 +47,14 @@ def served_model_name(settings: Settings) -> str:
     return os.path.basename(os.path.normpath(settings.model)) or settings.model
 
 
-async def _settle_after_load(engine: Engine) -> None:
+async def _settle_after_load(engine: Engine | RemoteEngine) -> None:
     """Once the model is loaded: warm what the first requests would wait for, then take
     everything loaded so far out of the garbage collector's way."""
     await engine.ready.wait()
     if engine.runner is None:
         return
-    await warm_structured_output(engine.runner)
+    if isinstance(engine, Engine):  # an engine process warms its own
+        await warm_structured_output(engine.runner)
     log.info("froze %d startup objects out of the garbage collector's view",
              freeze_startup_heap())
 
@@ -77,8 +79,12 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        mlx = MLXThread()
-        engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
+        mlx = None if settings.engine_process else MLXThread()
+        engine: Engine | RemoteEngine
+        if mlx is None:
+            engine = RemoteEngine(settings)
+        else:
+            engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
         state = ServerState(settings, engine, failpoints, served_model_name(settings))
         app.state.server = state
         try:
@@ -95,7 +101,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 tg.cancel_scope.cancel()
         finally:
             failpoints.release()  # no MLX job may stay blocked on a hang fail point
-            mlx.stop(timeout=10)
+            if mlx is not None:
+                mlx.stop(timeout=10)
 
     from mlx_serve.debug_routes import debug_routes
 

@@ -82,6 +82,11 @@ class Settings(BaseSettings):
                     "fewer writes at high concurrency)",
     )
 
+    engine_process: bool = Field(
+        False,
+        description="run the engine (batch steps, MLX) in a child process and HTTP in this "
+                    "one, so the two do not share one interpreter lock",
+    )
     step_timeout: float = Field(120.0, gt=0, description="seconds before a step counts as wedged")
     max_failed_rebuilds: int = Field(3, ge=1, description="failed rebuilds in a row before failed")
     max_request_failures: int = Field(

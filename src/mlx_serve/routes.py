@@ -20,6 +20,7 @@ from mlx_serve.errors import (
     RequestError,
 )
 from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
+from mlx_serve.remote_engine import RemoteEngine
 from mlx_serve.replies import ReplyShape
 from mlx_serve.request_building import Prepared, build_chat_request, build_completion_request
 from mlx_serve.server_state import ServerState
@@ -62,7 +63,7 @@ def parse(model: type[M], body: Any) -> M:
         raise RequestError(f"invalid value for '{param}': {first['msg']}", param=param) from None
 
 
-def _ready_engine(state: ServerState) -> Engine:
+def _ready_engine(state: ServerState) -> Engine | RemoteEngine:
     engine = state.engine
     if engine.state not in (EngineState.READY, EngineState.RECOVERING):
         raise engine.unavailable_error()
@@ -140,9 +141,11 @@ async def health(request: Request) -> Response:
     stats = _state(request).engine.statistics()
     ok = stats.state in (EngineState.READY, EngineState.RECOVERING)
     body = {"status": "ok" if ok else stats.state.value, **stats.as_dict()}
-    runner = _state(request).engine.runner
-    if runner is not None:
-        body["memory"] = runner.memory()
+    engine = _state(request).engine
+    if engine.runner is not None:
+        body["memory"] = engine.runner.memory()
+    if isinstance(engine, RemoteEngine) and engine.pid is not None:
+        body["engine_pid"] = engine.pid
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

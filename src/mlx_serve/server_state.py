@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from mlx_serve.config import Settings
 from mlx_serve.engine import Engine
 from mlx_serve.failpoints import FailPoints
+from mlx_serve.remote_engine import RemoteEngine
 
 
 @dataclass
 class ServerState:
     settings: Settings
-    engine: Engine
+    engine: Engine | RemoteEngine  # in this process, or in an engine process
     failpoints: FailPoints
     model_name: str
     started: int = field(default_factory=lambda: int(time.time()))

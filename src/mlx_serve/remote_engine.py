@@ -1,0 +1,231 @@
+"""The engine as seen from the HTTP process when it runs in a process of its own.
+
+    routes ── submit() ──► ("submit", hid, requests) ──► engine process (engine_host)
+    reply channel (one per handle) ◄── put ── ("events", ...) one message per actor turn
+
+``RemoteEngine`` has the surface of ``Engine`` that the routes, the lifespan and the
+draining server use, so they run unchanged. What it knows of the engine is what the
+engine process last reported, at least every ``HEARTBEAT_S``:
+
+- a report older than the step deadline means the engine process is stuck, whatever
+  it said: the state reads ``wedged`` (``/health`` and ``/live`` 503);
+- the socket's end means the process has gone: every open request gets a terminal
+  ``EngineDeadError`` and the state reads ``failed``, unless the engine had stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import anyio
+
+from mlx_serve.config import Settings
+from mlx_serve.engine import unavailable_error
+from mlx_serve.engine_state import EngineState, EngineStatistics
+from mlx_serve.engine_wire import EngineInfo, frame, read_message, unpack_event
+from mlx_serve.errors import EngineDeadError, MLXServeError, OverloadedError
+from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent
+from mlx_serve.reply_channel import ReplyChannel
+from mlx_serve.request_handle import RequestHandle
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # for the engine process to exit once its socket is closed
+
+
+class RemoteReply(ReplyChannel[ReplyEvent]):
+    """A handle's events here; closing it tells the engine process the client has gone."""
+
+    __slots__ = ("_hid", "_engine")
+
+    def __init__(self, hid: int, engine: RemoteEngine, wake_every: int | None) -> None:
+        super().__init__(producers=1, wake_every=wake_every)
+        self._hid = hid
+        self._engine = engine
+
+    def close(self) -> None:
+        super().close()
+        self._engine._client_gone(self._hid)
+
+
+class RemoteEngine:
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._capacity = settings.decode_batch_size + settings.max_queue
+        self.runner: Any = None  # the tokenizer side, once the engine has loaded
+        self.pid: int | None = None
+        self.ready = anyio.Event()
+        self.finished = anyio.Event()
+        self._stats = EngineStatistics(EngineState.LOADING, 0, 0, 0, 0, 0, 0, 0.0, None)
+        self._memory: dict[str, int] = {}
+        self._heard = time.monotonic()
+        self._handles: dict[int, RemoteReply] = {}
+        self._sizes: dict[int, int] = {}  # requests per open handle
+        self._open_requests = 0
+        self._next_hid = 0
+        self._writer: asyncio.StreamWriter | None = None
+        self._draining = False
+        self._ended: EngineState | None = None  # set once the engine process has gone
+
+    # -- the routes' side -------------------------------------------------------------
+
+    def submit(self, *requests: GenerationRequest, wake_every: int | None = 1
+               ) -> RequestHandle:
+        state = self.state
+        if state not in (EngineState.READY, EngineState.RECOVERING):
+            raise unavailable_error(state)
+        if self._open_requests + len(requests) > self._capacity:
+            raise OverloadedError("the server is at capacity; retry shortly")
+        hid, self._next_hid = self._next_hid, self._next_hid + 1
+        reply = RemoteReply(hid, self, wake_every)
+        self._handles[hid] = reply
+        self._sizes[hid] = len(requests)
+        self._open_requests += len(requests)
+        self._send(("submit", hid, requests))
+        return RequestHandle(requests[0].request_id, reply)
+
+    def statistics(self) -> EngineStatistics:
+        stats, now = self._stats, time.monotonic()
+        state = self._ended or stats.state
+        if self._ended is None:
+            if now - self._heard > self._settings.step_timeout:
+                state = EngineState.WEDGED  # no word from the engine process for that long
+            elif state is EngineState.READY and self.runner is None:
+                state = EngineState.LOADING  # the tokenizer is still loading here
+            elif self._draining and state in (EngineState.READY, EngineState.RECOVERING):
+                state = EngineState.DRAINING
+        age = stats.step_age + (now - self._heard) if stats.step_age > 0 else 0.0
+        return dataclasses.replace(stats, state=state, step_age=age)
+
+    @property
+    def state(self) -> EngineState:
+        return self.statistics().state
+
+    def memory(self) -> dict[str, int]:
+        return self._memory
+
+    def unavailable_error(self) -> MLXServeError:
+        return unavailable_error(self.state)
+
+    def begin_drain(self) -> None:
+        self._draining = True
+        self._send(("drain",))
+
+    def abort(self) -> None:
+        self._draining = True
+        self._send(("abort",))
+
+    def set_failpoint(self, site: str, action: str | None) -> None:
+        """Runtime fail points reach the engine process's sites too (None clears)."""
+        self._send(("failpoint", site, action))
+
+    def _client_gone(self, hid: int) -> None:
+        if self._forget(hid):
+            self._send(("close", hid))
+
+    def _forget(self, hid: int) -> bool:
+        if self._handles.pop(hid, None) is None:
+            return False
+        self._open_requests -= self._sizes.pop(hid)
+        return True
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(frame(message))
+
+    # -- the engine process -----------------------------------------------------------
+
+    async def run(self) -> None:
+        """Start the engine process and relay its messages until it ends."""
+        ours, theirs = socket.socketpair()
+        process = self._start(theirs)
+        theirs.close()
+        self.pid = process.pid
+        reader, self._writer = await asyncio.open_connection(sock=ours)
+        try:
+            while (message := await read_message(reader)) is not None:
+                await self._on_message(message)
+        finally:
+            self._writer.close()
+            self._writer = None
+            with anyio.CancelScope(shield=True):
+                code = await _stopped(process)
+            self._end(code)
+
+    def _start(self, theirs: socket.socket) -> subprocess.Popen[bytes]:
+        settings = self._settings.model_dump_json()
+        command = [sys.executable, "-m", "mlx_serve.engine_host",
+                   "--fd", str(theirs.fileno()), "--settings", settings]
+        log.info("starting the engine process")
+        return subprocess.Popen(command, pass_fds=(theirs.fileno(),))
+
+    async def _on_message(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "events":
+            self._deliver(message[1])
+            self._note(message[2])
+        elif kind == "stats":
+            self._note(message[1])
+        elif kind == "ready":
+            await self._load_tokenizer(message[1])
+
+    def _deliver(self, events: list[tuple[int, Any]]) -> None:
+        handles = self._handles
+        for hid, packed in events:
+            reply = handles.get(hid)
+            if reply is None:
+                continue  # its client has gone
+            if packed is None:
+                self._forget(hid)
+                reply.close_producer()
+                continue
+            event = unpack_event(packed)
+            terminal = type(event) is not Delta or event.finish_reason is not None
+            reply.put(event, urgent=terminal)
+
+    def _note(self, report: tuple[EngineStatistics, dict[str, int], float]) -> None:
+        self._stats, self._memory, _ = report
+        self._heard = time.monotonic()
+
+    async def _load_tokenizer(self, info: EngineInfo) -> None:
+        from mlx_serve.runner.tokenizer_side import load_tokenizer_side
+
+        self.runner = await anyio.to_thread.run_sync(load_tokenizer_side, info, self.memory)
+        log.info("engine process %d ready; tokenizer loaded here", info.pid)
+        self.ready.set()
+
+    def _end(self, code: int | None) -> None:
+        """The engine process has gone: answer every open request, keep its last word."""
+        last = self._stats.state
+        if last in (EngineState.STOPPED, EngineState.FAILED):
+            self._ended = last
+        else:
+            self._ended = EngineState.FAILED
+            self._stats = dataclasses.replace(
+                self._stats, error=f"the engine process exited (status {code})")
+            log.critical("the engine process exited unexpectedly (status %s)", code)
+        error = EngineDeadError(f"the generation engine has {self._ended.value}")
+        for hid, reply in list(self._handles.items()):
+            self._forget(hid)
+            reply.put(Failure(error), urgent=True)
+            reply.close_producer()
+        self.ready.set()
+        self.finished.set()
+
+
+async def _stopped(process: subprocess.Popen[bytes]) -> int | None:
+    """The engine process's exit status, stopping it if it does not exit by itself."""
+    try:
+        return await anyio.to_thread.run_sync(process.wait, STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        log.error("the engine process did not exit; killing it")
+        process.kill()
+        return await anyio.to_thread.run_sync(process.wait)
+

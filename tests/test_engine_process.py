@@ -1,0 +1,360 @@
+"""Black-box tests of ``--engine-process``: HTTP in the server process, the engine (actor and
+MLX thread) in a child process it starts. The semantics must be those of the one-process
+mode: the same greedy outputs, truthful health, every request answered when the child
+dies, disconnects leave the batch, fail points reach the child, SIGTERM drains, overload
+is a 429.
+
+One module-scoped engine-process server (plus a one-process server for the expected
+outputs) serves the plain cases; a test that kills or drains a server starts its own.
+Every wait is bounded: client timeouts, ``anyio.fail_after`` and polls with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from tests.faults.harness import (
+    Reply,
+    assert_exact,
+    assert_log_clean,
+    assert_one_terminal,
+    chat_body,
+    clear_failpoint,
+    complete_chat,
+    gather,
+    health,
+    http_client,
+    set_failpoint,
+    stream_chat,
+    wait_for_requests,
+    wait_for_state,
+    wait_until,
+)
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.anyio
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+NO_EOS = {"0": -100, "2": -100}  # the tiny model's end-of-sequence ids: run to max_tokens
+SLOW_STEPS = "engine.step=sleep(25)"  # keeps work in flight long enough to act on it
+# The module server's --decode-batch-size and --max-queue. A burst larger than max_queue
+# can meet a 429 with batch slots free (in either mode: the engine's inbox holds
+# max_queue until its actor's next turn), so the plain tests send at most 6 at once.
+DECODE, QUEUE = 4, 8
+
+
+def body_for(path: str, i: int, max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
+    body = chat_body(i, max_tokens, **extra)
+    if path == COMPLETIONS:
+        body["prompt"] = body.pop("messages")[0]["content"]
+    return body
+
+
+async def expected_outcomes(server: ServerProcess, bodies: list[dict[str, Any]],
+                            path: str = CHAT) -> list[tuple[str, str | None]]:
+    """(text, finish_reason) of each body, non-streaming, from ``server``."""
+    async with http_client(server) as client:
+        replies = await gather(*[lambda b=b: complete_chat(client, b, path) for b in bodies])
+    for reply in replies:
+        assert reply.completed, f"the one-process server failed: {reply.describe()}"
+    return [r.outcome for r in replies]
+
+
+def engine_pid(server: ServerProcess) -> int:
+    body = httpx.get(server.base_url + "/health", timeout=5).json()
+    assert isinstance(body.get("engine_pid"), int), body
+    return body["engine_pid"]
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # it has just gone, or there is no /proc (macOS)
+        return not Path("/proc").is_dir()
+
+
+async def process_exit(server: ServerProcess, timeout: float) -> int:
+    async def exited() -> bool:
+        return server.proc.poll() is not None
+
+    await wait_until(exited, timeout, "the server process to exit")
+    return server.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[ServerProcess]:
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("one") / "server.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("engine_process") / "server.log"
+    with ServerProcess(tiny_model_dir, log, args=[
+            "--engine-process", "--failpoints-http", "--decode-batch-size", str(DECODE),
+            "--max-queue", str(QUEUE)]) as s:
+        yield s
+
+
+@pytest.fixture
+def spawn(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """``spawn(*flags, env=...)``: a ready engine-process server; stopped at teardown,
+    and its engine child killed should it outlive the server."""
+    started: list[tuple[ServerProcess, int]] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        log = tmp_path / f"server-{len(started)}.log"
+        server = ServerProcess(tiny_model_dir, log, env=env, args=["--engine-process", *args])
+        try:
+            server.wait_ready()
+            started.append((server, engine_pid(server)))
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    yield start
+    for server, pid in started:
+        server.stop()
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+# -- the module server ------------------------------------------------------------------
+
+def test_health_names_a_live_engine_child(server):
+    with httpx.Client(base_url=server.base_url, timeout=5) as c:
+        ready, live = c.get("/health"), c.get("/live")
+    assert ready.status_code == 200 and live.status_code == 200, (ready.text, live.text)
+    body = ready.json()
+    assert body["status"] == "ok" and body["state"] == "ready", body
+    assert {"running", "waiting", "steps", "recoveries", "replays", "isolated"} <= set(body)
+    pid = body["engine_pid"]
+    assert isinstance(pid, int) and pid != server.proc.pid and alive(pid), body
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.exists():  # Linux: the engine is the server's own child
+        assert int(stat.read_text().rsplit(")", 1)[1].split()[1]) == server.proc.pid
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_greedy_outputs_equal_the_one_process_mode(server, one_process, path):
+    bodies = [body_for(path, i, max_tokens=32) for i in range(3)]
+    expected = await expected_outcomes(one_process, bodies, path)
+    with anyio.fail_after(60):
+        async with http_client(server) as client:
+            replies = await gather(
+                *[lambda b=b: stream_chat(client, b, path=path) for b in bodies],
+                *[lambda b=b: complete_chat(client, b, path) for b in bodies])
+    assert_exact(replies, expected * 2)
+
+
+async def test_a_client_leaving_mid_stream_leaves_the_batch(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
+            "temperature": 0, "stream": True, "logit_bias": NO_EOS}  # ~2000 steps in full
+    with anyio.fail_after(30):
+        async with http_client(server) as client:
+            _, before = await health(client)
+            async with client.stream("POST", CHAT, json=body) as resp:
+                assert resp.status_code == 200
+                received = 0
+                async for line in resp.aiter_lines():
+                    received += line.startswith("data:")
+                    if received >= 5:
+                        break
+            left = time.monotonic()
+
+            async def emptied() -> dict[str, Any] | None:
+                _, body = await health(client)
+                return body if body["running"] == 0 and body["waiting"] == 0 else None
+
+            after = await wait_until(emptied, 5, "the leaver to leave the batch")
+    assert time.monotonic() - left < 5
+    assert after["steps"] - before["steps"] < 1000, f"it ran on after the client left: {after}"
+
+
+async def test_overload_is_429_at_once_never_a_hang(server):
+    count = DECODE + QUEUE + 4
+    replies: list[Reply | None] = [None] * count
+    with anyio.fail_after(60):
+        async with http_client(server) as client:
+            async def one(i: int) -> None:
+                replies[i] = await complete_chat(client, chat_body(i, max_tokens=4))
+
+            async def refused() -> bool:
+                return sum(r is not None and r.status == 429 for r in replies) >= 4
+
+            await set_failpoint(client, "engine.step", "hang")  # every step blocks
+            try:
+                async with anyio.create_task_group() as tg:
+                    for i in range(count):
+                        tg.start_soon(one, i)
+                    await wait_until(refused, 5, "429s while the engine is stuck")
+                    done_early = [r for r in replies if r is not None]
+                    await clear_failpoint(client, "engine.step")  # releases the hang
+            finally:
+                await clear_failpoint(client, "engine.step")
+    assert all(r.status == 429 for r in done_early), [r.describe() for r in done_early]
+    statuses = []
+    for reply in replies:
+        assert reply is not None
+        assert_one_terminal(reply)
+        statuses.append(reply.status)
+        if reply.status == 429:
+            assert reply.error["type"] == "rate_limit_error", reply.describe()
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(429) >= count - DECODE - QUEUE, statuses
+
+
+async def test_runtime_failpoints_reach_the_engine_child(server, one_process):
+    body = chat_body(5, max_tokens=32, logit_bias=NO_EOS)
+    expected = await expected_outcomes(one_process, [body])
+    with anyio.fail_after(30):
+        async with http_client(server) as client:
+            _, before = await health(client)
+            await set_failpoint(client, "engine.step", "6*off->1*raise(RuntimeError:boom)")
+            try:
+                reply = await stream_chat(client, body)
+            finally:
+                await clear_failpoint(client, "engine.step")
+            status, after = await health(client)
+    assert_exact([reply], expected)  # one continuous stream across the rebuild
+    assert status == 200 and after["state"] == "ready", after
+    assert after["recoveries"] == before["recoveries"] + 1, (before, after)
+    assert after["replays"] > before["replays"], (before, after)
+
+
+def test_no_unexpected_errors_in_the_log(server):
+    assert_log_clean(server, allowed=["boom"])
+
+
+# -- servers of their own ---------------------------------------------------------------
+
+async def test_failpoints_from_the_environment_reach_the_engine_child(spawn, one_process):
+    server = spawn(env={"MLX_SERVE_FAILPOINTS": "engine.step=6*off->1*raise(RuntimeError:boom)"})
+    body = chat_body(7, max_tokens=32, logit_bias=NO_EOS)
+    expected = await expected_outcomes(one_process, [body])
+    with anyio.fail_after(30):
+        async with http_client(server) as client:
+            reply = await stream_chat(client, body)
+            status, stats = await health(client)
+    assert_exact([reply], expected)
+    assert status == 200 and stats["state"] == "ready", stats
+    assert stats["recoveries"] == 1 and stats["replays"] >= 1, stats
+    assert_log_clean(server, allowed=["boom"])
+
+
+async def kill_engine_mid_flight(server: ServerProcess, client: httpx.AsyncClient,
+                                 streams: int, jsons: int) -> tuple[list[Reply], float]:
+    """Long requests in flight (streams have output), then SIGKILL the engine child;
+    their replies and the time of the kill."""
+    pid, started = engine_pid(server), [anyio.Event() for _ in range(streams)]
+    bodies = [chat_body(i, max_tokens=1000, logit_bias=NO_EOS) for i in range(streams + jsons)]
+    calls = [lambda b=b, e=e: stream_chat(client, b, on_content=e)
+             for b, e in zip(bodies, started, strict=False)]
+    calls += [lambda b=b: complete_chat(client, b) for b in bodies[streams:]]
+    killed: list[float] = []
+
+    async def kill() -> None:
+        for event in started:
+            await event.wait()
+        await wait_for_requests(client, streams + jsons)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    return await gather(*calls, alongside=[kill]), killed[0]
+
+
+async def test_a_killed_engine_child_fails_every_request_and_health(spawn):
+    server = spawn("--failpoints", SLOW_STEPS)  # 1000 tokens: ~25 s unless cut short
+    with anyio.fail_after(40):
+        async with http_client(server) as client:
+            replies, killed = await kill_engine_mid_flight(server, client, 2, 2)
+            ready_status, ready = await health(client)
+            live_status, live = await health(client, "/live")
+            refused = [await complete_chat(client, chat_body(9, max_tokens=4)),
+                       await stream_chat(client, chat_body(10, max_tokens=4))]
+    for reply in replies:
+        assert_one_terminal(reply)
+        assert reply.error is not None, reply.describe()
+        if reply.stream:
+            assert reply.status == 200 and reply.text and reply.done == 1, reply.describe()
+        else:
+            assert reply.status is not None and reply.status >= 500, reply.describe()
+        assert reply.ended_at - killed < 3.0, f"not at once: {reply.describe()}"
+    assert ready_status == 503 and ready["status"] == ready["state"] == "failed", ready
+    assert live_status == 503 and live["status"] == live["state"] == "failed", live
+    for reply in refused:
+        assert_one_terminal(reply)
+        assert reply.status == 503 and reply.error is not None, reply.describe()
+    assert server.proc.poll() is None, "without --exit-on-fatal the server stays up"
+
+
+async def test_exit_on_fatal_exits_70_when_the_engine_child_dies(spawn):
+    server = spawn("--exit-on-fatal", "--failpoints", SLOW_STEPS)
+    with anyio.fail_after(40):
+        async with http_client(server) as client:
+            replies, _ = await kill_engine_mid_flight(server, client, 1, 1)
+        code = await process_exit(server, 15)
+    for reply in replies:
+        assert_one_terminal(reply)  # answered before the exit, not dropped
+        assert reply.error is not None, reply.describe()
+    assert code == 70, f"exit status {code}:\n{server.log_text()}"
+
+
+async def test_sigterm_drains_in_flight_requests_then_exits_zero(spawn, one_process):
+    server = spawn("--drain-timeout", "20", "--failpoints", SLOW_STEPS)
+    pid = engine_pid(server)
+    bodies = [chat_body(i, max_tokens=64, logit_bias=NO_EOS) for i in range(4)]  # ~1.6 s
+    expected = await expected_outcomes(one_process, bodies)
+    checked: list[float] = []
+    refused: list[Reply] = []
+    with anyio.fail_after(40):
+        async with http_client(server) as client:
+            started = [anyio.Event(), anyio.Event()]
+
+            async def terminate_and_check() -> None:
+                for event in started:
+                    await event.wait()
+                await wait_for_requests(client, 4)
+                server.terminate()
+                state = await wait_for_state(client, "draining", timeout=5)
+                assert (await health(client))[0] == 503, state
+                live_status, live = await health(client, "/live")
+                assert live_status == 200 and live["state"] == "draining", live
+                refused.append(await complete_chat(client, chat_body(20, max_tokens=4)))
+                checked.append(time.monotonic())
+
+            replies = await gather(
+                lambda: stream_chat(client, bodies[0], on_content=started[0]),
+                lambda: stream_chat(client, bodies[1], on_content=started[1]),
+                lambda: complete_chat(client, bodies[2]),
+                lambda: complete_chat(client, bodies[3]),
+                alongside=[terminate_and_check])
+            code = await process_exit(server, 15)
+
+            async def child_gone() -> bool:
+                return not alive(pid)
+
+            await wait_until(child_gone, 10, "the engine child to exit")
+    assert_exact(replies, expected)
+    assert min(r.ended_at for r in replies) > checked[0], "checked after the work had ended"
+    assert_one_terminal(refused[0])
+    assert refused[0].status == 503, refused[0].describe()
+    assert code == 0, f"exit status {code}:\n{server.log_text()}"
+    assert_log_clean(server)
