@@ -29,7 +29,7 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     def read_counters() -> None:
         health = server.health()
         start.update(steps=steps_in(health), busy=busy_in(health),
-                     threads=thread_times(server.pid))
+                     threads=thread_times(server.pid, children=True))
         host.start()
 
     try:
@@ -38,7 +38,7 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
         host.stop()
     result["summary"]["host"] = host.record()
     # Threads' own clocks count nanoseconds where the process's counts 10 ms ticks.
-    roles = cpu_by_role(server.pid, start["threads"], thread_times(server.pid))
+    roles = cpu_by_role(server.pid, start["threads"], thread_times(server.pid, children=True))
     cpu_per_token(result["summary"], None if roles is None else sum(roles.values()))
     cpu_per_token_by_thread(result["summary"], roles)
     result["health_after"] = server.health()

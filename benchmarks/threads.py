@@ -30,10 +30,23 @@ MLX_THREAD_NAME = "mlx"  # the name mlx_serve gives its MLX thread (mlx_thread.p
 Snapshot = dict[int, tuple[str, float]]  # thread id -> (name, CPU seconds so far)
 
 
-def thread_times(pid: int | None = None) -> Snapshot | None:
-    """Every thread of process ``pid`` (this one by default) with its CPU time so far;
-    None off Linux or once the process has gone."""
+def thread_times(pid: int | None = None, children: bool = False) -> Snapshot | None:
+    """Every thread of process ``pid`` (this one by default), with ``children`` those of
+    its child processes too, with its CPU time so far; None off Linux or once the
+    process has gone.
+
+    mlx_serve with ``--engine-process`` steps in a child: its MLX thread counts as
+    ``stepping`` there too, the child's event loop as ``other``."""
     pid = os.getpid() if pid is None else pid
+    snapshot = _process_threads(pid)
+    if snapshot is None or not children:
+        return snapshot
+    for child in _children(pid, snapshot):
+        snapshot.update(_process_threads(child) or {})
+    return snapshot
+
+
+def _process_threads(pid: int) -> Snapshot | None:
     try:
         tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
@@ -45,6 +58,17 @@ def thread_times(pid: int | None = None) -> Snapshot | None:
         except (OSError, ValueError):  # the thread ended meanwhile
             continue
     return snapshot
+
+
+def _children(pid: int, threads: Snapshot) -> list[int]:
+    children = []
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                children += [int(c) for c in fh.read().split()]
+        except OSError:
+            continue
+    return children
 
 
 def _thread_name_and_cpu(task: str) -> tuple[str, float]:
