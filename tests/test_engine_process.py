@@ -358,3 +358,43 @@ async def test_sigterm_drains_in_flight_requests_then_exits_zero(spawn, one_proc
     assert refused[0].status == 503, refused[0].describe()
     assert code == 0, f"exit status {code}:\n{server.log_text()}"
     assert_log_clean(server)
+
+
+async def test_a_silent_engine_child_is_wedged_and_its_requests_answered(spawn):
+    """A child that stops (SIGSTOP: its event loop cannot report anything) reads as wedged
+    once the step deadline passes; the server answers its open requests with a timeout
+    error. Resumed, it drops them and serves again."""
+    server = spawn("--step-timeout", "2", "--failpoints", SLOW_STEPS)
+    pid, started = engine_pid(server), [anyio.Event(), anyio.Event()]
+    bodies = [chat_body(i, max_tokens=1000, logit_bias=NO_EOS) for i in range(3)]
+    stopped: list[float] = []
+
+    async def stop() -> None:
+        for event in started:
+            await event.wait()
+        await wait_for_requests(client, 3)
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(time.monotonic())
+
+    try:
+        with anyio.fail_after(40):
+            async with http_client(server) as client:
+                replies = await gather(
+                    lambda: stream_chat(client, bodies[0], on_content=started[0]),
+                    lambda: stream_chat(client, bodies[1], on_content=started[1]),
+                    lambda: complete_chat(client, bodies[2]), alongside=[stop])
+                ready_status, ready = await health(client)
+                live_status, live = await health(client, "/live")
+                os.kill(pid, signal.SIGCONT)
+                await wait_for_state(client, "ready", timeout=15)
+                after = await complete_chat(client, chat_body(11, max_tokens=8))
+    finally:
+        os.kill(pid, signal.SIGCONT)  # never leave a stopped child behind
+    for reply in replies:
+        assert_one_terminal(reply)
+        assert reply.error is not None, reply.describe()
+        # Answered after the deadline (2 s), within a few reports of it.
+        assert 2.0 <= reply.ended_at - stopped[0] < 5.0, reply.describe()
+    assert ready_status == 503 and ready["state"] == "wedged", ready
+    assert live_status == 503 and live["state"] == "wedged", live
+    assert after.completed, after.describe()

@@ -37,7 +37,14 @@ from mlx_serve.engine_setup import (
     make_loader,
     warm_structured_output,
 )
-from mlx_serve.engine_wire import EngineInfo, FormatSpec, frame, pack_event, read_message
+from mlx_serve.engine_wire import (
+    HEARTBEAT_S,
+    EngineInfo,
+    FormatSpec,
+    frame,
+    pack_event,
+    read_message,
+)
 from mlx_serve.errors import MLXServeError
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Failure, GenerationRequest, ReplyEvent
@@ -45,9 +52,6 @@ from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.reply_channel import ReplyChannel
 
 log = logging.getLogger("mlx_serve.engine_host")
-
-HEARTBEAT_S = 0.5  # statistics sent at least this often, so the HTTP process sees a stall
-
 
 class Outbox:
     """Every handle's events of one event-loop turn, sent together as one message."""

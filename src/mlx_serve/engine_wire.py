@@ -29,6 +29,7 @@ from typing import Any
 from mlx_serve.generation import Delta, FinishReason, ReplyEvent
 
 HEADER = struct.Struct("!I")
+HEARTBEAT_S = 0.5  # the engine reports at least this often, so the HTTP process sees a stall
 MAX_MESSAGE_BYTES = 1 << 30
 
 

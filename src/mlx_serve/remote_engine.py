@@ -29,8 +29,8 @@ import anyio
 from mlx_serve.config import Settings
 from mlx_serve.engine import unavailable_error
 from mlx_serve.engine_state import EngineState, EngineStatistics
-from mlx_serve.engine_wire import EngineInfo, frame, read_message, unpack_event
-from mlx_serve.errors import EngineDeadError, MLXServeError, OverloadedError
+from mlx_serve.engine_wire import HEARTBEAT_S, EngineInfo, frame, read_message, unpack_event
+from mlx_serve.errors import EngineDeadError, MLXServeError, OverloadedError, StepTimeoutError
 from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent
 from mlx_serve.reply_channel import ReplyChannel
 from mlx_serve.request_handle import RequestHandle
@@ -150,8 +150,12 @@ class RemoteEngine:
         self.pid = process.pid
         reader, self._writer = await asyncio.open_connection(sock=ours)
         try:
-            while (message := await read_message(reader)) is not None:
-                await self._on_message(message)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_reports)
+                while (message := await read_message(reader)) is not None:
+                    self._heard = time.monotonic()
+                    await self._on_message(message)
+                tg.cancel_scope.cancel()
         finally:
             self._writer.close()
             self._writer = None
@@ -192,7 +196,20 @@ class RemoteEngine:
 
     def _note(self, report: tuple[EngineStatistics, dict[str, int], float]) -> None:
         self._stats, self._memory, _ = report
-        self._heard = time.monotonic()
+
+    async def _watch_reports(self) -> None:
+        """An engine process silent past the step deadline is wedged, however it is stuck
+        (its own actor cannot say so if its event loop is what stopped): its open
+        requests get a timeout error here, as the actor would give them, and it is told
+        to drop them should it come back."""
+        while True:
+            await anyio.sleep(HEARTBEAT_S)
+            if self._handles and self.state is EngineState.WEDGED:
+                log.error("no word from the engine process for %.1f s: wedged",
+                          time.monotonic() - self._heard)
+                for hid in self._fail_open(StepTimeoutError(
+                        "the engine process stopped responding; the engine is wedged")):
+                    self._send(("close", hid))
 
     async def _load_tokenizer(self, info: EngineInfo) -> None:
         from mlx_serve.runner.tokenizer_side import load_tokenizer_side
@@ -211,13 +228,19 @@ class RemoteEngine:
             self._stats = dataclasses.replace(
                 self._stats, error=f"the engine process exited (status {code})")
             log.critical("the engine process exited unexpectedly (status %s)", code)
-        error = EngineDeadError(f"the generation engine has {self._ended.value}")
-        for hid, reply in list(self._handles.items()):
+        self._fail_open(EngineDeadError(f"the generation engine has {self._ended.value}"))
+        self.ready.set()
+        self.finished.set()
+
+
+    def _fail_open(self, error: MLXServeError) -> list[int]:
+        """A terminal error to every open handle; the handles it answered."""
+        answered = list(self._handles.items())
+        for hid, reply in answered:
             self._forget(hid)
             reply.put(Failure(error), urgent=True)
             reply.close_producer()
-        self.ready.set()
-        self.finished.set()
+        return [hid for hid, _ in answered]
 
 
 async def _stopped(process: subprocess.Popen[bytes]) -> int | None:
