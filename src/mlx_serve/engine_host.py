@@ -23,7 +23,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,6 +52,7 @@ from mlx_serve.reply_channel import ReplyChannel
 
 log = logging.getLogger("mlx_serve.engine_host")
 
+
 class Outbox:
     """Every handle's events of one event-loop turn, sent together as one message."""
 
@@ -77,7 +77,7 @@ class Outbox:
     def stats(self) -> tuple[Any, ...]:
         runner = self._engine.runner
         memory = runner.memory() if runner is not None else {}
-        return (self._engine.statistics(), memory, time.monotonic())
+        return (self._engine.statistics(), memory)
 
     def send(self, message: tuple[Any, ...]) -> None:
         if not self._writer.is_closing():

@@ -13,7 +13,7 @@ length in front, over a socket pair that only the two processes hold.
                        ("stats", stats)                a heartbeat while nothing else is said
 
 ``events`` is a list of ``(hid, event)``; event None ends the handle's stream. A
-``stats`` is ``(EngineStatistics, memory, sent_at)``. The common delta (text and a
+``stats`` is ``(EngineStatistics, memory)``. The common delta (text and a
 token count, nothing else) travels as a plain tuple: pickling a slotted dataclass runs
 Python code per field, and a step at 128 streams carries 128 of them.
 """

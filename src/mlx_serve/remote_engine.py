@@ -65,7 +65,7 @@ class RemoteEngine:
         self.finished = anyio.Event()
         self._stats = EngineStatistics(EngineState.LOADING, 0, 0, 0, 0, 0, 0, 0.0, None)
         self._memory: dict[str, int] = {}
-        self._heard = time.monotonic()
+        self._heard: float | None = None  # when the engine process last said anything
         self._handles: dict[int, RemoteReply] = {}
         self._sizes: dict[int, int] = {}  # requests per open handle
         self._open_requests = 0
@@ -94,14 +94,15 @@ class RemoteEngine:
     def statistics(self) -> EngineStatistics:
         stats, now = self._stats, time.monotonic()
         state = self._ended or stats.state
+        silent = 0.0 if self._heard is None else now - self._heard  # starting: loading
         if self._ended is None:
-            if now - self._heard > self._settings.step_timeout:
+            if silent > self._settings.step_timeout:
                 state = EngineState.WEDGED  # no word from the engine process for that long
             elif state is EngineState.READY and self.runner is None:
                 state = EngineState.LOADING  # the tokenizer is still loading here
             elif self._draining and state in (EngineState.READY, EngineState.RECOVERING):
                 state = EngineState.DRAINING
-        age = stats.step_age + (now - self._heard) if stats.step_age > 0 else 0.0
+        age = stats.step_age + silent if stats.step_age > 0 else 0.0
         return dataclasses.replace(stats, state=state, step_age=age)
 
     @property
@@ -145,10 +146,17 @@ class RemoteEngine:
     async def run(self) -> None:
         """Start the engine process and relay its messages until it ends."""
         ours, theirs = socket.socketpair()
-        process = self._start(theirs)
-        theirs.close()
+        try:
+            process = self._start(theirs)
+        except OSError as exc:
+            log.critical("could not start the engine process: %s", exc)
+            self._end(None, f"could not start the engine process: {exc}")
+            return
+        finally:
+            theirs.close()
         self.pid = process.pid
         reader, self._writer = await asyncio.open_connection(sock=ours)
+        why = None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_reports)
@@ -156,12 +164,15 @@ class RemoteEngine:
                     self._heard = time.monotonic()
                     await self._on_message(message)
                 tg.cancel_scope.cancel()
+        except Exception as exc:  # this side of the link failed (a tokenizer that won't load)
+            log.exception("lost the engine process")
+            why = f"{type(exc).__name__}: {exc}"
         finally:
             self._writer.close()
             self._writer = None
             with anyio.CancelScope(shield=True):
                 code = await _stopped(process)
-            self._end(code)
+            self._end(code, why)
 
     def _start(self, theirs: socket.socket) -> subprocess.Popen[bytes]:
         settings = self._settings.model_dump_json()
@@ -194,8 +205,8 @@ class RemoteEngine:
             terminal = type(event) is not Delta or event.finish_reason is not None
             reply.put(event, urgent=terminal)
 
-    def _note(self, report: tuple[EngineStatistics, dict[str, int], float]) -> None:
-        self._stats, self._memory, _ = report
+    def _note(self, report: tuple[EngineStatistics, dict[str, int]]) -> None:
+        self._stats, self._memory = report
 
     async def _watch_reports(self) -> None:
         """An engine process silent past the step deadline is wedged, however it is stuck
@@ -205,8 +216,8 @@ class RemoteEngine:
         while True:
             await anyio.sleep(HEARTBEAT_S)
             if self._handles and self.state is EngineState.WEDGED:
-                log.error("no word from the engine process for %.1f s: wedged",
-                          time.monotonic() - self._heard)
+                log.error("no word from the engine process for over %.1f s: wedged",
+                          self._settings.step_timeout)
                 for hid in self._fail_open(StepTimeoutError(
                         "the engine process stopped responding; the engine is wedged")):
                     self._send(("close", hid))
@@ -218,20 +229,19 @@ class RemoteEngine:
         log.info("engine process %d ready; tokenizer loaded here", info.pid)
         self.ready.set()
 
-    def _end(self, code: int | None) -> None:
+    def _end(self, code: int | None, why: str | None = None) -> None:
         """The engine process has gone: answer every open request, keep its last word."""
         last = self._stats.state
-        if last in (EngineState.STOPPED, EngineState.FAILED):
+        if last in (EngineState.STOPPED, EngineState.FAILED) and why is None:
             self._ended = last
         else:
             self._ended = EngineState.FAILED
-            self._stats = dataclasses.replace(
-                self._stats, error=f"the engine process exited (status {code})")
-            log.critical("the engine process exited unexpectedly (status %s)", code)
+            why = why or f"the engine process exited (status {code})"
+            self._stats = dataclasses.replace(self._stats, error=why)
+            log.critical("the engine has failed: %s", why)
         self._fail_open(EngineDeadError(f"the generation engine has {self._ended.value}"))
         self.ready.set()
         self.finished.set()
-
 
     def _fail_open(self, error: MLXServeError) -> list[int]:
         """A terminal error to every open handle; the handles it answered."""
