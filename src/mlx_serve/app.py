@@ -79,11 +79,12 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        mlx = None if settings.engine_process else MLXThread()
+        mlx: MLXThread | None = None
         engine: Engine | RemoteEngine
-        if mlx is None:
+        if settings.engine_process:  # the engine and its MLX thread run in a child
             engine = RemoteEngine(settings)
         else:
+            mlx = MLXThread()
             engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
         state = ServerState(settings, engine, failpoints, served_model_name(settings))
         app.state.server = state
