@@ -1,10 +1,13 @@
 """Where mlx_serve's step time goes, layer by layer, in one process on one set of weights.
 
 The same closed-loop workload (seeded prompts, fixed output length, greedy) runs through
-six layers, interleaved round by round in a rotating order:
+seven layers, interleaved round by round in a rotating order:
 
 - ``engine``: the engine harness (mlx-lm's ``BatchGenerator``, its stock decode step),
   the ceiling that ``ab`` compares against;
+- ``engine-busy``: the engine harness while another process keeps one vCPU busy with
+  Python, as a load generator's client does beside a server (on a host whose vCPUs
+  share cores, a busy neighbour can slow the stepping thread);
 - ``engine-1arr``: the same harness with mlx_serve's one-array decode step;
 - ``runner``: mlx_serve's ``Runner.step`` in a plain loop on the MLX thread (admission,
   text, deltas, prefix cache), no actor and no event loop;
@@ -35,6 +38,7 @@ import asyncio
 import itertools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +55,7 @@ from benchmarks.servers import add_shape_args
 from benchmarks.threads import cpu_by_role, thread_times
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
-LAYERS = ("engine", "engine-1arr", "runner", "runner-nocache", "actor", "http")
+LAYERS = ("engine", "engine-busy", "engine-1arr", "runner", "runner-nocache", "actor", "http")
 # What a layer's run counts: batch steps and output tokens, and the seconds it served
 # where the layer times itself.
 Counted = tuple[int, int] | tuple[int, int, float]
@@ -105,6 +109,8 @@ class Layers:
         prompts = self.fresh_prompts(count)
         runs: dict[str, Callable[[list[list[int]]], Counted]] = {
             "engine": lambda p: self._harness(self.harness, p),
+            "engine-busy": lambda p: self._beside_busy_process(
+                lambda: self._harness(self.harness, p)),
             "engine-1arr": lambda p: self._harness(self.harness_1arr, p),
             "runner": lambda p: self.mlx.submit(self._runner_loop, self.runner, p).result(),
             "runner-nocache": lambda p: self.mlx.submit(self._runner_loop, self.runner_nocache,
@@ -112,6 +118,7 @@ class Layers:
             "actor": self._actor,
             "http": self._http,
         }
+        self._neighbour_cpu_s: float | None = None
         threads_before, started = thread_times(), time.perf_counter()
         steps, tokens, *own_wall = runs[layer](prompts)
         # The http layer times its load itself: its clients' start-up is not serving.
@@ -127,7 +134,21 @@ class Layers:
                 # CPU ms per step by thread role: a slow vCPU shows as a stepping thread
                 # that needs more CPU for the same step.
                 "cpu_ms_per_step": {role: round(sec / steps * 1e3, 4)
-                                    for role, sec in roles.items()} if roles and steps else None}
+                                    for role, sec in roles.items()} if roles and steps else None,
+                "neighbour_cpu_s": self._neighbour_cpu_s}
+
+    def _beside_busy_process(self, run: Callable[[], Counted]) -> Counted:
+        """``run()`` while a process of pure-Python work keeps one vCPU busy; its CPU
+        seconds meanwhile go in the run's ``neighbour_cpu_s``."""
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            return run()
+        finally:
+            times = thread_times(spinner.pid)
+            spinner.kill()
+            spinner.wait(10)
+            self._neighbour_cpu_s = (round(sum(cpu for _, cpu in times.values()), 4)
+                                     if times else None)
 
     def _request(self, prompt: list[int]) -> Any:
         from mlx_serve.generation import GenerationRequest, SamplingParams

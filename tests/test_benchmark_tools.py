@@ -246,6 +246,9 @@ def test_the_layer_comparison_runs_every_layer_on_the_same_tokens(tiny_model_dir
     # is this thread, so no separate event-loop time is counted there.
     assert all(r["cpu_ms_per_step"]["stepping"] > 0 for r in runs)
     assert all(r["cpu_ms_per_step"]["main"] == 0 for r in runs if r["layer"] == "engine")
+    # The busy neighbour ran beside the harness, and only there.
+    assert all((r["neighbour_cpu_s"] or 0) > 0 for r in runs if r["layer"] == "engine-busy")
+    assert all(r["neighbour_cpu_s"] is None for r in runs if r["layer"] != "engine-busy")
     table = result["ratios"]
     assert table["engine"]["ms_per_step"]["median"] == 1.0
     assert all(table[layer]["tok_s"]["n"] == 2 for layer in layers.LAYERS)
