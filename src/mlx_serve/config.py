@@ -85,7 +85,8 @@ class Settings(BaseSettings):
     engine_process: bool = Field(
         False,
         description="run the engine (batch steps, MLX) in a child process and HTTP in this "
-                    "one, so the two do not share one interpreter lock",
+                    "one: a crash of the engine's native code ends only the child, and every "
+                    "open request still gets an answer",
     )
     step_timeout: float = Field(120.0, gt=0, description="seconds before a step counts as wedged")
     max_failed_rebuilds: int = Field(3, ge=1, description="failed rebuilds in a row before failed")

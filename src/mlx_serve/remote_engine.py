@@ -95,14 +95,16 @@ class RemoteEngine:
         stats, now = self._stats, time.monotonic()
         state = self._ended or stats.state
         silent = 0.0 if self._heard is None else now - self._heard  # starting: loading
+        age = stats.step_age + silent if stats.step_age > 0 else 0.0
         if self._ended is None:
-            if silent > self._settings.step_timeout:
-                state = EngineState.WEDGED  # no word from the engine process for that long
+            if max(silent, age) > self._settings.step_timeout:
+                # No word from the engine process for that long, or a step of its running
+                # for that long (its actor says so itself once it wakes).
+                state = EngineState.WEDGED
             elif state is EngineState.READY and self.runner is None:
                 state = EngineState.LOADING  # the tokenizer is still loading here
             elif self._draining and state in (EngineState.READY, EngineState.RECOVERING):
                 state = EngineState.DRAINING
-        age = stats.step_age + silent if stats.step_age > 0 else 0.0
         return dataclasses.replace(stats, state=state, step_age=age)
 
     @property
