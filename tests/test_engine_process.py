@@ -221,6 +221,32 @@ async def test_overload_is_429_at_once_never_a_hang(server):
     assert statuses.count(429) >= count - DECODE - QUEUE, statuses
 
 
+async def test_choices_logprobs_and_format_errors_match_the_one_process_mode(server,
+                                                                             one_process):
+    """What travels as a full event (log-probabilities, several choices on one handle)
+    and what the child compiles (a response format) come out as in one process."""
+    body = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "n": 2,
+            "logprobs": 2, "logit_bias": NO_EOS}
+    bad_format = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                  "response_format": {"type": "json_schema", "json_schema": {
+                      "name": "x", "schema": {"type": "object",
+                                              "properties": {"a": {"type": "strinx"}}}}}}
+    seen = []
+    with anyio.fail_after(30):
+        for target in (one_process, server):
+            async with http_client(target) as client:
+                reply = await client.post(COMPLETIONS, json=body)
+                errors = [await client.post(CHAT, json={**bad_format, "stream": stream})
+                          for stream in (False, True)]
+            assert reply.status_code == 200, reply.text
+            assert [e.status_code for e in errors] == [400, 400], [e.text for e in errors]
+            choices = reply.json()["choices"]
+            seen.append(([(c["index"], c["text"], c["logprobs"]) for c in choices],
+                         [e.json()["error"]["param"] for e in errors]))
+    assert seen[0] == seen[1]
+    assert [c[0] for c in seen[1][0]] == [0, 1] and seen[1][1] == ["response_format"] * 2
+
+
 async def test_runtime_failpoints_reach_the_engine_child(server, one_process):
     body = chat_body(5, max_tokens=32, logit_bias=NO_EOS)
     expected = await expected_outcomes(one_process, [body])
