@@ -86,8 +86,6 @@ class Engine:
         Events on the stream carry their request's ``index``; the stream ends once every
         request has had its terminal event. ``wake_every``: see ``ReplyChannel``.
         """
-        if self._state not in (EngineState.READY, EngineState.RECOVERING):
-            raise self.unavailable_error()
         reply = ReplyChannel[ReplyEvent](producers=len(requests), wake_every=wake_every)
         self.submit_to(reply, *requests)
         return RequestHandle(requests[0].request_id, reply)
@@ -95,6 +93,9 @@ class Engine:
     def submit_to(self, reply: ReplyChannel[ReplyEvent], *requests: GenerationRequest) -> None:
         """Queue requests that answer on ``reply`` (one producer each); on an error the
         reply is closed and the error raised."""
+        if self._state not in (EngineState.READY, EngineState.RECOVERING):
+            reply.close()
+            raise self.unavailable_error()
         try:
             for request in requests:
                 self._inbox_send.send_nowait(OpenRequest(request, reply))

@@ -177,8 +177,6 @@ class EngineHost:
         try:
             compiled = [await self._compiled(r) for r in requests]
             reply = ForwardingReply(hid, len(compiled), outbox, self._forget)
-            if self.engine.state not in (EngineState.READY, EngineState.RECOVERING):
-                raise self.engine.unavailable_error()
             self.engine.submit_to(reply, *compiled)
         except MLXServeError as exc:
             outbox.add(hid, Failure(exc, requests[0].index))

@@ -43,12 +43,14 @@ STOP_GRACE_S = 10.0  # for the engine process to exit once its socket is closed
 class RemoteReply(ReplyChannel[ReplyEvent]):
     """A handle's events here; closing it tells the engine process the client has gone."""
 
-    __slots__ = ("_hid", "_engine")
+    __slots__ = ("_hid", "_engine", "size")
 
-    def __init__(self, hid: int, engine: RemoteEngine, wake_every: int | None) -> None:
+    def __init__(self, hid: int, engine: RemoteEngine, wake_every: int | None,
+                 size: int) -> None:
         super().__init__(producers=1, wake_every=wake_every)
         self._hid = hid
         self._engine = engine
+        self.size = size  # the requests (choices) it answers
 
     def close(self) -> None:
         super().close()
@@ -67,8 +69,7 @@ class RemoteEngine:
         self._memory: dict[str, int] = {}
         self._heard: float | None = None  # when the engine process last said anything
         self._handles: dict[int, RemoteReply] = {}
-        self._sizes: dict[int, int] = {}  # requests per open handle
-        self._open_requests = 0
+        self._open_requests = 0  # the requests of the open handles
         self._next_hid = 0
         self._writer: asyncio.StreamWriter | None = None
         self._draining = False
@@ -84,10 +85,9 @@ class RemoteEngine:
         if self._open_requests + len(requests) > self._capacity:
             raise OverloadedError("the server is at capacity; retry shortly")
         hid, self._next_hid = self._next_hid, self._next_hid + 1
-        reply = RemoteReply(hid, self, wake_every)
+        reply = RemoteReply(hid, self, wake_every, len(requests))
         self._handles[hid] = reply
-        self._sizes[hid] = len(requests)
-        self._open_requests += len(requests)
+        self._open_requests += reply.size
         self._send(("submit", hid, requests))
         return RequestHandle(requests[0].request_id, reply)
 
@@ -134,9 +134,10 @@ class RemoteEngine:
             self._send(("close", hid))
 
     def _forget(self, hid: int) -> bool:
-        if self._handles.pop(hid, None) is None:
+        reply = self._handles.pop(hid, None)
+        if reply is None:
             return False
-        self._open_requests -= self._sizes.pop(hid)
+        self._open_requests -= reply.size
         return True
 
     def _send(self, message: tuple[Any, ...]) -> None:

@@ -26,15 +26,16 @@ def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture
 def launch(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """``launch(*flags, failpoints=SPEC)``: a ready server; stopped at teardown."""
+    """``launch(*flags, failpoints=SPEC, env=VARS)``: a ready server; stopped at teardown."""
     servers: list[ServerProcess] = []
 
-    def start(*args: str, failpoints: str | None = None) -> ServerProcess:
+    def start(*args: str, failpoints: str | None = None,
+              env: dict[str, str] | None = None) -> ServerProcess:
         flags = list(args)
         if failpoints is not None:
             flags += ["--failpoints", failpoints]
         log = tmp_path / f"server-{len(servers)}.log"
-        server = ServerProcess(tiny_model_dir, log, args=flags)
+        server = ServerProcess(tiny_model_dir, log, env=env, args=flags)
         servers.append(server)
         server.wait_ready()
         return server

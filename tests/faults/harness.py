@@ -27,6 +27,9 @@ MALLOC = "[metal::malloc] Resource limit (499000) exceeded"
 # Holds every step at the first one until a test replaces the rule over HTTP (which
 # releases the hang): the test can then put all its requests in flight before any fault.
 GATE = "engine.step=hang"
+SLOW_STEPS = "engine.step=sleep(25)"  # keeps work in flight long enough to act on it
+NO_EOS = {"0": -100, "2": -100}  # the tiny model's end-of-sequence ids: run to max_tokens
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 # Prompts for the tiny model: each gives a different greedy output.
 PROMPTS = [f"Request {i}: tell me about topic {i * 7}, " + "and then some more " * (i % 4)
@@ -248,12 +251,12 @@ async def gather(*calls: Callable[[], Awaitable[Reply]],
     return [r for r in results if r is not None]
 
 
-def call(client: httpx.AsyncClient, body: dict[str, Any], stream: bool
+def call(client: httpx.AsyncClient, body: dict[str, Any], stream: bool, path: str = CHAT
          ) -> Callable[[], Awaitable[Reply]]:
     """A deferred request: streaming (SSE) or not, through httpx."""
     if stream:
-        return lambda: stream_chat(client, body)
-    return lambda: complete_chat(client, body)
+        return lambda: stream_chat(client, body, path=path)
+    return lambda: complete_chat(client, body, path)
 
 
 def sdk_call(client: openai.AsyncOpenAI, model: str, body: dict[str, Any]
@@ -311,6 +314,15 @@ async def polling(server: ServerProcess, path: str = "/health", interval: float 
 async def health(client: httpx.AsyncClient, path: str = "/health") -> tuple[int, dict]:
     resp = await client.get(path)
     return resp.status_code, resp.json()
+
+
+async def process_exit(server: ServerProcess, timeout: float) -> int:
+    """The server process's exit status, once it has exited (within ``timeout``)."""
+    async def exited() -> bool:
+        return server.proc.poll() is not None
+
+    await wait_until(exited, timeout, "the server process to exit")
+    return server.proc.returncode
 
 
 async def wait_until(check: Callable[[], Awaitable[Any]], timeout: float, what: str) -> Any:
@@ -397,13 +409,15 @@ class Reference:
         self.server = server
         self._cache: dict[str, tuple[str, str | None]] = {}
 
-    async def outcomes(self, bodies: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+    async def outcomes(self, bodies: list[dict[str, Any]], path: str = CHAT
+                       ) -> list[tuple[str, str | None]]:
         plain = [{k: v for k, v in b.items() if k not in ("stream", "user")} for b in bodies]
-        keys = [json.dumps(b, sort_keys=True) for b in plain]
+        keys = [path + json.dumps(b, sort_keys=True) for b in plain]
         missing = {k: b for k, b in zip(keys, plain, strict=True) if k not in self._cache}
         if missing:
             async with http_client(self.server) as client:
-                replies = await gather(*[call(client, b, False) for b in missing.values()])
+                replies = await gather(*[call(client, b, False, path)
+                                         for b in missing.values()])
             for key, reply in zip(missing, replies, strict=True):
                 assert reply.completed, f"the reference server failed: {reply.describe()}"
                 self._cache[key] = reply.outcome

@@ -15,7 +15,9 @@ import pytest
 
 from tests.faults.harness import (
     GATE,
+    NO_EOS,
     POLL_S,
+    SLOW_STEPS,
     Reply,
     assert_all_terminal,
     assert_exact,
@@ -28,26 +30,13 @@ from tests.faults.harness import (
     health,
     http_client,
     polling,
+    process_exit,
     stream_chat,
     wait_for_requests,
     wait_for_state,
-    wait_until,
 )
-from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.anyio
-
-SLOW_STEPS = "engine.step=sleep(25)"
-NO_EOS = {"0": -100, "2": -100}  # the tiny model's end-of-sequence ids: run to max_tokens
-
-
-async def process_exit(server: ServerProcess, timeout: float) -> int:
-    async def exited() -> bool:
-        return server.proc.poll() is not None
-
-    await wait_until(exited, timeout, "the server process to exit")
-    return server.proc.returncode
-
 
 def streaming_load(client, bodies, started: list[anyio.Event]):
     """Streams for even bodies (each sets its event on its first text), JSON for odd."""

@@ -4,9 +4,10 @@ mode: the same greedy outputs, truthful health, every request answered when the 
 dies, disconnects leave the batch, fail points reach the child, SIGTERM drains, overload
 is a 429.
 
-One module-scoped engine-process server (plus a one-process server for the expected
-outputs) serves the plain cases; a test that kills or drains a server starts its own.
-Every wait is bounded: client timeouts, ``anyio.fail_after`` and polls with a deadline.
+One module-scoped engine-process server serves the plain cases (the fault suite's
+one-process reference server gives the expected outputs); a test that kills or drains a
+server starts its own. Every wait is bounded: client timeouts, ``anyio.fail_after`` and
+polls with a deadline.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ import httpx
 import pytest
 
 from tests.faults.harness import (
+    CHAT,
+    COMPLETIONS,
+    NO_EOS,
+    SLOW_STEPS,
+    Reference,
     Reply,
     assert_exact,
     assert_log_clean,
@@ -33,6 +39,7 @@ from tests.faults.harness import (
     gather,
     health,
     http_client,
+    process_exit,
     set_failpoint,
     stream_chat,
     wait_for_requests,
@@ -43,9 +50,6 @@ from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.anyio
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-NO_EOS = {"0": -100, "2": -100}  # the tiny model's end-of-sequence ids: run to max_tokens
-SLOW_STEPS = "engine.step=sleep(25)"  # keeps work in flight long enough to act on it
 # The module server's --decode-batch-size and --max-queue. A burst larger than max_queue
 # can meet a 429 with batch slots free (in either mode: the engine's inbox holds
 # max_queue until its actor's next turn), so the plain tests send at most 6 at once.
@@ -57,16 +61,6 @@ def body_for(path: str, i: int, max_tokens: int = 24, **extra: Any) -> dict[str,
     if path == COMPLETIONS:
         body["prompt"] = body.pop("messages")[0]["content"]
     return body
-
-
-async def expected_outcomes(server: ServerProcess, bodies: list[dict[str, Any]],
-                            path: str = CHAT) -> list[tuple[str, str | None]]:
-    """(text, finish_reason) of each body, non-streaming, from ``server``."""
-    async with http_client(server) as client:
-        replies = await gather(*[lambda b=b: complete_chat(client, b, path) for b in bodies])
-    for reply in replies:
-        assert reply.completed, f"the one-process server failed: {reply.describe()}"
-    return [r.outcome for r in replies]
 
 
 def engine_pid(server: ServerProcess) -> int:
@@ -87,21 +81,6 @@ def alive(pid: int) -> bool:
         return not Path("/proc").is_dir()
 
 
-async def process_exit(server: ServerProcess, timeout: float) -> int:
-    async def exited() -> bool:
-        return server.proc.poll() is not None
-
-    await wait_until(exited, timeout, "the server process to exit")
-    return server.proc.returncode
-
-
-@pytest.fixture(scope="module")
-def one_process(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[ServerProcess]:
-    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("one") / "server.log") as s:
-        yield s
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
@@ -113,25 +92,19 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture
-def spawn(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """``spawn(*flags, env=...)``: a ready engine-process server; stopped at teardown,
-    and its engine child killed should it outlive the server."""
-    started: list[tuple[ServerProcess, int]] = []
+def spawn(launch: Callable[..., ServerProcess]) -> Iterator[Callable[..., ServerProcess]]:
+    """``spawn(*flags, env=...)``: ``launch`` with ``--engine-process``; the engine child is
+    killed at teardown should it outlive its server (a stopped child never reads the
+    socket's end)."""
+    pids: list[int] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        log = tmp_path / f"server-{len(started)}.log"
-        server = ServerProcess(tiny_model_dir, log, env=env, args=["--engine-process", *args])
-        try:
-            server.wait_ready()
-            started.append((server, engine_pid(server)))
-        except BaseException:
-            server.stop()
-            raise
+        server = launch("--engine-process", *args, env=env)
+        pids.append(engine_pid(server))
         return server
 
     yield start
-    for server, pid in started:
-        server.stop()
+    for pid in pids:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
 
@@ -153,9 +126,9 @@ def test_health_names_a_live_engine_child(server):
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-async def test_greedy_outputs_equal_the_one_process_mode(server, one_process, path):
+async def test_greedy_outputs_equal_the_one_process_mode(server, reference: Reference, path):
     bodies = [body_for(path, i, max_tokens=32) for i in range(3)]
-    expected = await expected_outcomes(one_process, bodies, path)
+    expected = await reference.outcomes(bodies, path)
     with anyio.fail_after(60):
         async with http_client(server) as client:
             replies = await gather(
@@ -221,8 +194,8 @@ async def test_overload_is_429_at_once_never_a_hang(server):
     assert statuses.count(429) >= count - DECODE - QUEUE, statuses
 
 
-async def test_choices_logprobs_and_format_errors_match_the_one_process_mode(server,
-                                                                             one_process):
+async def test_choices_logprobs_and_format_errors_match_the_one_process_mode(
+        server, reference: Reference):
     """What travels as a full event (log-probabilities, several choices on one handle)
     and what the child compiles (a response format) come out as in one process."""
     body = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "n": 2,
@@ -233,7 +206,7 @@ async def test_choices_logprobs_and_format_errors_match_the_one_process_mode(ser
                                               "properties": {"a": {"type": "strinx"}}}}}}
     seen = []
     with anyio.fail_after(30):
-        for target in (one_process, server):
+        for target in (reference.server, server):
             async with http_client(target) as client:
                 reply = await client.post(COMPLETIONS, json=body)
                 errors = [await client.post(CHAT, json={**bad_format, "stream": stream})
@@ -247,9 +220,9 @@ async def test_choices_logprobs_and_format_errors_match_the_one_process_mode(ser
     assert [c[0] for c in seen[1][0]] == [0, 1] and seen[1][1] == ["response_format"] * 2
 
 
-async def test_runtime_failpoints_reach_the_engine_child(server, one_process):
+async def test_runtime_failpoints_reach_the_engine_child(server, reference: Reference):
     body = chat_body(5, max_tokens=32, logit_bias=NO_EOS)
-    expected = await expected_outcomes(one_process, [body])
+    expected = [await reference.outcome(body)]
     with anyio.fail_after(30):
         async with http_client(server) as client:
             _, before = await health(client)
@@ -271,10 +244,11 @@ def test_no_unexpected_errors_in_the_log(server):
 
 # -- servers of their own ---------------------------------------------------------------
 
-async def test_failpoints_from_the_environment_reach_the_engine_child(spawn, one_process):
+async def test_failpoints_from_the_environment_reach_the_engine_child(spawn,
+                                                                      reference: Reference):
     server = spawn(env={"MLX_SERVE_FAILPOINTS": "engine.step=6*off->1*raise(RuntimeError:boom)"})
     body = chat_body(7, max_tokens=32, logit_bias=NO_EOS)
-    expected = await expected_outcomes(one_process, [body])
+    expected = [await reference.outcome(body)]
     with anyio.fail_after(30):
         async with http_client(server) as client:
             reply = await stream_chat(client, body)
@@ -343,11 +317,11 @@ async def test_exit_on_fatal_exits_70_when_the_engine_child_dies(spawn):
     assert code == 70, f"exit status {code}:\n{server.log_text()}"
 
 
-async def test_sigterm_drains_in_flight_requests_then_exits_zero(spawn, one_process):
+async def test_sigterm_drains_in_flight_requests_then_exits_zero(spawn, reference: Reference):
     server = spawn("--drain-timeout", "20", "--failpoints", SLOW_STEPS)
     pid = engine_pid(server)
     bodies = [chat_body(i, max_tokens=64, logit_bias=NO_EOS) for i in range(4)]  # ~1.6 s
-    expected = await expected_outcomes(one_process, bodies)
+    expected = await reference.outcomes(bodies)
     checked: list[float] = []
     refused: list[Reply] = []
     with anyio.fail_after(40):
