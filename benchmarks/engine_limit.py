@@ -34,6 +34,7 @@ from benchmarks.metrics import (
     summarize,
 )
 from benchmarks.servers import add_shape_args
+from benchmarks.thread_detail import per_step, read_thread
 from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
 from benchmarks.workload import Workload, build_prompts
 
@@ -203,8 +204,11 @@ def measure(harness: EngineHarness, model_path: str, workload: Workload, prompts
         harness.run([list(tokenizer.encode(p)) for p in warmup_prompts], warm)
     stepping = threading.get_native_id()  # the harness steps in this thread
     cpu_start, threads_start = time.process_time(), thread_times()
+    detail_start = read_thread(stepping)
     with HostWatch() as host:
         summary = harness.run(encode, workload)
+    summary["stepping_detail"] = per_step(detail_start, read_thread(stepping),
+                                          summary.get("steps"))
     cpu_per_token(summary, time.process_time() - cpu_start)
     pid = os.getpid()
     cpu_per_token_by_thread(summary, cpu_by_role(pid, threads_start, thread_times(), stepping))

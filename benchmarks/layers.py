@@ -1,7 +1,7 @@
 """Where mlx_serve's step time goes, layer by layer, in one process on one set of weights.
 
 The same closed-loop workload (seeded prompts, fixed output length, greedy) runs through
-seven layers, interleaved round by round in a rotating order:
+eight layers, interleaved round by round in a rotating order:
 
 - ``engine``: the engine harness (mlx-lm's ``BatchGenerator``, its stock decode step),
   the ceiling that ``ab`` compares against;
@@ -15,6 +15,9 @@ seven layers, interleaved round by round in a rotating order:
   finished request's KV costs);
 - ``actor``: the ``Engine`` actor on a uvloop event loop, its clients in-process tasks
   reading their reply streams: everything but HTTP;
+- ``actor-busy``: the same, each client running ``--client-work-us`` of pure Python per
+  token it reads (about what HTTP costs the event loop per token): the event loop
+  holding the interpreter lock as long as with HTTP, without sockets;
 - ``http``: the same actor behind mlx_serve's routes on uvicorn, on the same event loop,
   streamed to ``benchmarks.loadgen`` in a process of its own (``benchmarks.layer_http``):
   the whole server, in this process and on these weights.
@@ -41,6 +44,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -52,10 +56,13 @@ from benchmarks.ab import rotated
 from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
 from benchmarks.report import cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import add_shape_args
+from benchmarks.thread_detail import describe as describe_detail
+from benchmarks.thread_detail import per_step, read_thread
 from benchmarks.threads import cpu_by_role, thread_times
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
-LAYERS = ("engine", "engine-busy", "engine-1arr", "runner", "runner-nocache", "actor", "http")
+LAYERS = ("engine", "engine-busy", "engine-1arr", "runner", "runner-nocache", "actor",
+          "actor-busy", "http")
 # What a layer's run counts: batch steps and output tokens, and the seconds it served
 # where the layer times itself.
 Counted = tuple[int, int] | tuple[int, int, float]
@@ -116,11 +123,17 @@ class Layers:
             "runner-nocache": lambda p: self.mlx.submit(self._runner_loop, self.runner_nocache,
                                                         p).result(),
             "actor": self._actor,
+            "actor-busy": lambda p: self._actor(p, self.args.client_work_us / 1e6),
             "http": self._http,
         }
         self._neighbour_cpu_s: float | None = None
-        threads_before, started = thread_times(), time.perf_counter()
+        # The harness steps on this thread; the other layers on the MLX thread.
+        stepping = (threading.get_native_id() if layer.startswith("engine")
+                    else self.mlx.native_id)
+        threads_before, detail_before = thread_times(), read_thread(stepping)
+        started = time.perf_counter()
         steps, tokens, *own_wall = runs[layer](prompts)
+        detail = per_step(detail_before, read_thread(stepping), steps)
         # The http layer times its load itself: its clients' start-up is not serving.
         wall = own_wall[0] if own_wall else time.perf_counter() - started
         # The harness steps on this thread; the other layers on the MLX thread, with the
@@ -135,7 +148,7 @@ class Layers:
                 # that needs more CPU for the same step.
                 "cpu_ms_per_step": {role: round(sec / steps * 1e3, 4)
                                     for role, sec in roles.items()} if roles and steps else None,
-                "neighbour_cpu_s": self._neighbour_cpu_s}
+                "stepping_detail": detail, "neighbour_cpu_s": self._neighbour_cpu_s}
 
     def _beside_busy_process(self, run: Callable[[], Counted]) -> Counted:
         """``run()`` while a process of pure-Python work keeps one vCPU busy; its CPU
@@ -197,12 +210,12 @@ class Layers:
         return uvloop.run(serve_and_load(self.runner, self.mlx, self.args, self.model_path,
                                          len(prompts), seed))
 
-    def _actor(self, prompts: list[list[int]]) -> tuple[int, int]:
+    def _actor(self, prompts: list[list[int]], work_s: float = 0.0) -> tuple[int, int]:
         import uvloop
 
-        return uvloop.run(self._actor_run(prompts))
+        return uvloop.run(self._actor_run(prompts, work_s))
 
-    async def _actor_run(self, prompts: list[list[int]]) -> tuple[int, int]:
+    async def _actor_run(self, prompts: list[list[int]], work_s: float) -> tuple[int, int]:
         from mlx_serve.engine import Engine, EngineConfig
         from mlx_serve.generation import Failure
 
@@ -221,6 +234,8 @@ class Layers:
                         if isinstance(event, Failure):
                             raise RuntimeError(f"actor: {event.error}")
                         tokens += event.token_count
+                        if work_s:
+                            _python_work(work_s)
                         if event.finish_reason is not None:
                             break
 
@@ -234,6 +249,14 @@ class Layers:
             engine.abort()
             await asyncio.wait_for(engine.finished.wait(), 30)
             await actor
+
+
+def _python_work(seconds: float) -> None:
+    """Hold the interpreter lock in plain Python for ``seconds``, as a client's
+    per-token work would (the lock can still be taken away at a switch interval)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def measure(layers: Layers, args: argparse.Namespace,
@@ -257,8 +280,8 @@ def measure(layers: Layers, args: argparse.Namespace,
             cpu = run["cpu_ms_per_step"] or {}
             print(f"round {rnd} {layer:14s} {run['ms_per_step']:8.3f} ms/step  "
                   f"{run['tokens_per_step']:7.2f} tokens/step  {run['tok_s']:9.1f} tok/s  "
-                  "cpu ms/step " + " ".join(f"{r} {v:.3f}" for r, v in cpu.items()),
-                  flush=True)
+                  "cpu ms/step " + " ".join(f"{r} {v:.3f}" for r, v in cpu.items())
+                  + f"  {describe_detail(run['stepping_detail'])}", flush=True)
         after_round(runs)
     return runs
 
@@ -291,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4)
     add_shape_args(p)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-work-us", type=float, default=40.0,
+                   help="actor-busy: microseconds of Python per token in each client")
     p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
                    help="the runner's and actor's prefix cache (mlx_serve's default: 1 GiB)")
     p.add_argument("--mlx-cache-limit-bytes", type=int, default=None)

@@ -2,7 +2,8 @@
 
 The load generator's figures, plus what only the server process can tell: its CPU time
 per output token (in total and by thread role), its batch steps and the MLX thread's busy
-time (mlx_serve's /health), and what the host gave the run.
+time (mlx_serve's /health), that thread's kernel counters per step (``thread_detail``),
+and what the host gave the run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from benchmarks.host import HostWatch
 from benchmarks.loadgen import Target, run_async, run_load
 from benchmarks.metrics import busy_share, cpu_per_token, step_figures
 from benchmarks.servers import ServerProcess, busy_in, steps_in
-from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
+from benchmarks.thread_detail import per_step, read_thread
+from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, mlx_thread_id, thread_times
 from benchmarks.workload import Workload
 
 
@@ -28,8 +30,10 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
 
     def read_counters() -> None:
         health = server.health()
-        start.update(steps=steps_in(health), busy=busy_in(health),
-                     threads=thread_times(server.pid, children=True))
+        threads = thread_times(server.pid, children=True)
+        stepping = mlx_thread_id(threads)
+        start.update(steps=steps_in(health), busy=busy_in(health), threads=threads,
+                     stepping=stepping, detail=read_thread(stepping))
         host.start()
 
     try:
@@ -43,8 +47,10 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     cpu_per_token_by_thread(result["summary"], roles)
     result["health_after"] = server.health()
     steps = steps_in(result["health_after"])
-    step_figures(result["summary"],
-                 None if steps is None or start["steps"] is None else steps - start["steps"])
+    run_steps = None if steps is None or start["steps"] is None else steps - start["steps"]
+    step_figures(result["summary"], run_steps)
+    result["summary"]["stepping_detail"] = per_step(
+        start["detail"], read_thread(start["stepping"]), run_steps)
     busy = busy_in(result["health_after"])
     busy_share(result["summary"],
                None if busy is None or start["busy"] is None else busy - start["busy"])

@@ -24,6 +24,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.thread_detail import describe as describe_detail
+
 ROLES = ("main", "stepping", "other")
 MLX_THREAD_NAME = "mlx"  # the name mlx_serve gives its MLX thread (mlx_thread.py)
 
@@ -89,15 +91,20 @@ def cpu_by_role(pid: int, before: Snapshot | None, after: Snapshot | None,
     names the stepping thread where it has no name of its own (the engine harness's)."""
     if before is None or after is None:
         return None
-    # Threads inherit their creator's name, so MLX's own workers, started from the MLX
-    # thread, are called "mlx" too; the MLX thread is the one created first.
-    named = sorted(tid for tid, (name, _) in after.items() if name == MLX_THREAD_NAME)
-    stepping = {stepping_tid, *named[:1]}
+    stepping = {stepping_tid, mlx_thread_id(after)}
     roles = dict.fromkeys(ROLES, 0.0)
     for tid, (_, seconds) in after.items():
         role = "stepping" if tid in stepping else "main" if tid == pid else "other"
         roles[role] += seconds - before.get(tid, ("", 0.0))[1]
     return roles
+
+
+def mlx_thread_id(snapshot: Snapshot | None) -> int | None:
+    """mlx_serve's MLX thread in a snapshot. Threads inherit their creator's name, so
+    MLX's own workers, started from the MLX thread, are called "mlx" too; the MLX
+    thread is the one created first (the lowest id)."""
+    named = [tid for tid, (name, _) in (snapshot or {}).items() if name == MLX_THREAD_NAME]
+    return min(named, default=None)
 
 
 def cpu_per_token_by_thread(summary: dict[str, Any], roles: dict[str, float] | None) -> None:
@@ -127,4 +134,4 @@ def describe_threads(summary: dict[str, Any]) -> str:
             if by else "")
     if busy is not None:  # mlx_serve's MLX thread: in jobs this share of the run
         line = f"{line}  mlx busy {100 * busy:.0f} %".lstrip()
-    return line
+    return f"{line}  {describe_detail(summary.get('stepping_detail'))}".strip()

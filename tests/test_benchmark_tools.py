@@ -249,6 +249,8 @@ def test_the_layer_comparison_runs_every_layer_on_the_same_tokens(tiny_model_dir
     # The busy neighbour ran beside the harness, and only there.
     assert all((r["neighbour_cpu_s"] or 0) > 0 for r in runs if r["layer"] == "engine-busy")
     assert all(r["neighbour_cpu_s"] is None for r in runs if r["layer"] != "engine-busy")
+    # The stepping thread's kernel counters, per step of the run they describe.
+    assert all(r["stepping_detail"]["steps"] == r["steps"] for r in runs)
     table = result["ratios"]
     assert table["engine"]["ms_per_step"]["median"] == 1.0
     assert all(table[layer]["tok_s"]["n"] == 2 for layer in layers.LAYERS)
@@ -355,6 +357,41 @@ def test_cpu_by_role_takes_per_thread_differences_and_finds_the_mlx_thread():
                                                      "other": 5.5}
     here = thread_times()
     assert here is not None and here[os.getpid()][1] > 0
+
+
+def test_a_threads_kernel_counters_count_its_blocking_waits():
+    import threading
+
+    from benchmarks.thread_detail import describe, per_step, read_thread
+
+    started, go, slept, done = (threading.Event() for _ in range(4))
+
+    def sleeper() -> None:
+        started.set()
+        go.wait(10)  # until the first reading is taken
+        for _ in range(20):
+            time.sleep(0.001)  # each sleep blocks: a voluntary context switch
+        slept.set()
+        done.wait(10)  # stays alive to be read again
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    assert started.wait(10)
+    before = read_thread(thread.native_id)
+    go.set()
+    assert slept.wait(10)
+    after = read_thread(thread.native_id)
+    done.set()
+    thread.join(10)
+    assert before is not None and after is not None
+    assert after["voluntary"] - before["voluntary"] >= 20
+    detail = per_step(before, after, 20)
+    assert detail is not None and detail["steps"] == 20 and detail["voluntary"] >= 1.0
+    assert describe(detail).startswith("stepping/step user ")
+    # Nothing to read: no thread, a thread that has gone, no steps.
+    assert read_thread(None) is None
+    assert read_thread(thread.native_id) is None
+    assert per_step(before, after, 0) is None and describe(None) == ""
 
 
 async def test_the_loop_watch_reports_a_loop_held_by_blocking_work(capsys):

@@ -20,7 +20,7 @@ async def test_every_job_runs_on_one_thread_and_errors_reach_the_caller():
             second = await mlx.call(threading.get_native_id)
             with pytest.raises(ZeroDivisionError):
                 await mlx.call(lambda: 1 / 0)
-        assert first == second != threading.get_native_id()
+        assert first == second == mlx.native_id != threading.get_native_id()
     finally:
         mlx.stop(timeout=10)
 

@@ -35,6 +35,11 @@ class MLXThread:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def native_id(self) -> int | None:
+        """The OS thread id (for ``/proc``), once the thread has started."""
+        return self._thread.native_id
+
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
         self._jobs.put((future, fn, args))
