@@ -136,8 +136,7 @@ class Layers:
         detail = per_step(detail_before, read_thread(stepping), steps)
         # The http layer times its load itself: its clients' start-up is not serving.
         wall = own_wall[0] if own_wall else time.perf_counter() - started
-        # The harness steps on this thread; the other layers on the MLX thread, with the
-        # event loop (actor, http) on this one.
+        # The event loop (actor, http) runs on this thread too.
         roles = cpu_by_role(os.getpid(), threads_before, thread_times(),
                             os.getpid() if layer.startswith("engine") else None)
         return {"layer": layer, "wall_s": round(wall, 4), "steps": steps, "tokens": tokens,

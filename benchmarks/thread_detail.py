@@ -12,7 +12,8 @@ uses more CPU for the same step, these counters tell the kinds of cost apart:
   blocking waits (a lock, a queue, a device sync that sleeps), involuntary ones
   preemption by another thread on the same vCPU.
 - ``minor_faults``: page faults served without I/O (``stat``): memory being mapped
-  in, as an allocator that hands pages back and takes them again causes.
+  in (an allocator that hands pages back and takes them again), or, with MLX's CUDA
+  backend, the CPU touching managed memory that the GPU holds.
 - ``migrations``: how often the thread changed vCPU (``sched``), where the kernel has it.
 
 Linux only; every reader returns None elsewhere or once the thread has gone.
