@@ -69,3 +69,21 @@ async def test_a_posted_job_that_raises_is_logged_and_the_thread_goes_on(caplog)
         assert record.exc_info is not None and record.exc_info[0] is ZeroDivisionError
     finally:
         mlx.stop(timeout=10)
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness")
+async def test_the_mlx_thread_takes_its_niceness_and_the_caller_keeps_its_own():
+    import os
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    mlx = MLXThread(nice=mine + 3)  # raising niceness needs no privilege
+    default = MLXThread()
+    try:
+        with anyio.fail_after(10):
+            assert await mlx.call(os.getpriority, os.PRIO_PROCESS, 0) == mine + 3
+            assert await default.call(os.getpriority, os.PRIO_PROCESS, 0) == mine
+        assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+    finally:
+        mlx.stop(timeout=10)
+        default.stop(timeout=10)

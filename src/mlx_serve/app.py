@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         if settings.engine_process:  # the engine and its MLX thread run in a child
             engine = RemoteEngine(settings)
         else:
-            mlx = MLXThread()
+            mlx = MLXThread(nice=settings.mlx_thread_nice)
             engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
         state = ServerState(settings, engine, failpoints, served_model_name(settings))
         app.state.server = state

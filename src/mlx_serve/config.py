@@ -66,6 +66,12 @@ class Settings(BaseSettings):
         None, ge=0,
         description="most freed device memory MLX keeps for reuse (default: MLX's own limit)",
     )
+    mlx_thread_nice: int = Field(
+        0, ge=-20, le=19,
+        description="scheduling niceness of the MLX thread and the threads it starts "
+                    "(Linux; below 0 needs CAP_SYS_NICE): on a host with few cores a "
+                    "negative value lets batch steps run ahead of HTTP and other processes",
+    )
     one_array_logprobs: bool = Field(
         True,
         description="evaluate each decode step's log-probabilities as one array, not one "

@@ -112,7 +112,7 @@ class EngineHost:
         self._settings = settings
         self._sock = sock
         self.failpoints = FailPoints.from_spec(settings.failpoints)
-        self._mlx = MLXThread()
+        self._mlx = MLXThread(nice=settings.mlx_thread_nice)
         self.engine = Engine(make_loader(settings, self.failpoints), engine_config(settings),
                              self._mlx)
         self._replies: dict[int, ForwardingReply] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import queue
 import sys
 import threading
@@ -27,8 +28,9 @@ _STOP = object()
 
 
 class MLXThread:
-    def __init__(self, name: str = "mlx") -> None:
+    def __init__(self, name: str = "mlx", nice: int = 0) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._nice = nice
         # Seconds spent in finished jobs. Beside wall time it tells a thread kept busy
         # (stepping at the engine's pace) from one waiting for its next step.
         self.busy_seconds = 0.0
@@ -64,6 +66,8 @@ class MLXThread:
 
     def _serve(self) -> None:
         name_os_thread(self._thread.name)
+        if self._nice:
+            set_thread_nice(self._nice)
         while True:
             job = self._jobs.get()
             if job is _STOP:
@@ -90,6 +94,27 @@ def _hand_back(future: Future[Any] | None, result: Any, error: BaseException | N
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def set_thread_nice(nice: int) -> None:
+    """Give the calling thread niceness ``nice``; threads it starts later (MLX's compute
+    and BLAS workers) inherit it. On Linux niceness is per thread; elsewhere it would
+    apply to the whole process, so it is left alone there.
+
+    On two shared vCPUs the MLX thread waited 0.2-2.8 ms a step for a core that the
+    event loop or the load generator held (benchmarks/MEASUREMENTS.md); a lower
+    niceness puts the batch step first. Best effort: without the privilege to lower it,
+    a warning and the default."""
+    if not sys.platform.startswith("linux"):
+        log.warning("mlx_thread_nice is applied on Linux only; ignored")
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)  # 0: the calling thread, on Linux
+    except OSError as exc:
+        log.warning("could not set the MLX thread's niceness to %d (%s); it keeps %d",
+                    nice, exc, os.getpriority(os.PRIO_PROCESS, 0))
+    else:
+        log.info("MLX thread niceness %d", nice)
 
 
 _PR_SET_NAME = 15  # linux/prctl.h
