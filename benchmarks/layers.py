@@ -127,7 +127,8 @@ class Layers:
             "http": self._http,
         }
         self._neighbour_cpu_s: float | None = None
-        # The harness steps on this thread; the other layers on the MLX thread.
+        # The harness steps on this thread; the other layers on the MLX thread, with the
+        # event loop (actor, http) on this one.
         stepping = (threading.get_native_id() if layer.startswith("engine")
                     else self.mlx.native_id)
         threads_before, detail_before = thread_times(), read_thread(stepping)
@@ -136,9 +137,7 @@ class Layers:
         detail = per_step(detail_before, read_thread(stepping), steps)
         # The http layer times its load itself: its clients' start-up is not serving.
         wall = own_wall[0] if own_wall else time.perf_counter() - started
-        # The event loop (actor, http) runs on this thread too.
-        roles = cpu_by_role(os.getpid(), threads_before, thread_times(),
-                            os.getpid() if layer.startswith("engine") else None)
+        roles = cpu_by_role(os.getpid(), threads_before, thread_times(), stepping)
         return {"layer": layer, "wall_s": round(wall, 4), "steps": steps, "tokens": tokens,
                 "ms_per_step": round(wall / steps * 1e3, 4) if steps else None,
                 "tokens_per_step": round(tokens / steps, 3) if steps else None,

@@ -34,8 +34,7 @@ def read_thread(tid: int | None) -> dict[str, float] | None:
         return None
     task = f"/proc/{tid}/task/{tid}"
     try:
-        with open(f"{task}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
+        fields = stat_fields(task)
         with open(f"{task}/status") as fh:
             status = dict(line.split(":", 1) for line in fh if ":" in line)
         with open(f"{task}/schedstat") as fh:
@@ -44,7 +43,6 @@ def read_thread(tid: int | None) -> dict[str, float] | None:
         return None
     tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
     return {
-        # stat after the command name: state is field 0, minflt 7, utime 11, stime 12.
         "user_ms": int(fields[11]) * tick_ms,
         "system_ms": int(fields[12]) * tick_ms,
         "runqueue_ms": int(schedstat[1]) / 1e6,
@@ -53,6 +51,13 @@ def read_thread(tid: int | None) -> dict[str, float] | None:
         "minor_faults": int(fields[7]),
         "migrations": _migrations(task),
     }
+
+
+def stat_fields(task: str) -> list[str]:
+    """A ``/proc`` task's ``stat`` fields after its command name (which may hold spaces):
+    state is field 0, minflt 7, utime 11, stime 12."""
+    with open(f"{task}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()
 
 
 def _migrations(task: str) -> float:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.thread_detail import describe as describe_detail
+from benchmarks.thread_detail import stat_fields
 
 ROLES = ("main", "stepping", "other")
 MLX_THREAD_NAME = "mlx"  # the name mlx_serve gives its MLX thread (mlx_thread.py)
@@ -80,8 +81,7 @@ def _thread_name_and_cpu(task: str) -> tuple[str, float]:
         with open(f"{task}/schedstat") as fh:
             return name, int(fh.read().split()[0]) / 1e9
     except FileNotFoundError:  # a kernel without scheduler statistics
-        with open(f"{task}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
+        fields = stat_fields(task)
         return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
