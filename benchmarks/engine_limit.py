@@ -91,7 +91,7 @@ class EngineHarness:
         waiting = deque(range(min(len(prompts), workload.num_requests)))
         inflight: dict[int, _InFlight] = {}
         records: list[RequestRecord] = []
-        steps = 0
+        steps = prefill_steps = 0
         start = last_done = time.perf_counter()
         try:
             while waiting or inflight:
@@ -111,15 +111,16 @@ class EngineHarness:
                 if not inflight:
                     time.sleep(min(0.01, max(0.0, arrivals[waiting[0]] - now)))
                     continue
-                _, responses = gen.next()
+                prompt_responses, responses = gen.next()
                 steps += 1
+                prefill_steps += bool(prompt_responses)
                 if self._emit(responses, inflight, records):
                     last_done = time.perf_counter()
         finally:
             gen.close()
         records.extend(RequestRecord(error="not finished at the time limit") for _ in inflight)
         summary = summarize(records, last_done - start)
-        step_figures(summary, steps)
+        step_figures(summary, steps, prefill_steps)
         return summary
 
     @staticmethod

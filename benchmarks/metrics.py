@@ -68,14 +68,20 @@ def cpu_per_token(summary: dict[str, Any], cpu_seconds: float | None) -> None:
                                    if tokens and cpu_seconds is not None else None)
 
 
-def step_figures(summary: dict[str, Any], steps: int | None) -> None:
+def step_figures(summary: dict[str, Any], steps: int | None,
+                 prefill_steps: int | None = None) -> None:
     """Record how many batch steps a run took: tokens per step and ms per step.
 
     They tell the two ways a run can be slow apart: fewer tokens per step (the batch
     ran emptier: admission and scheduling) or longer steps (the same work, done
-    slower: contention for the cores or the interpreter lock).
+    slower: contention for the cores or the interpreter lock). ``prefill_steps``, the
+    steps that also prefilled newcomers, tells how much of the step time went on them
+    (each prefill is a model call of its own beside the decode).
     """
     summary["steps"] = steps
+    summary["prefill_steps"] = prefill_steps
+    summary["prefill_step_share"] = (round(prefill_steps / steps, 4)
+                                     if steps and prefill_steps is not None else None)
     tokens = summary.get("output_tokens") or 0
     if steps and tokens:
         summary["tokens_per_step"] = round(tokens / steps, 3)

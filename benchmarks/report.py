@@ -33,6 +33,7 @@ METRICS: dict[str, Getter] = {
     "CPU ms/token, main thread": role_cpu("main"),
     "tokens/step": lambda s: s.get("tokens_per_step"),
     "ms/step": lambda s: s.get("ms_per_step"),
+    "prefill step share": lambda s: s.get("prefill_step_share"),
     # mlx_serve's MLX thread, in jobs this share of the run (none for the other two).
     "MLX thread busy share": lambda s: s.get("mlx_busy_share"),
     # The machine, not the contender: above 1, the host ran this contender's load slower.

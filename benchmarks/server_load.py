@@ -13,7 +13,7 @@ from typing import Any
 from benchmarks.host import HostWatch
 from benchmarks.loadgen import Target, run_async, run_load
 from benchmarks.metrics import busy_share, cpu_per_token, step_figures
-from benchmarks.servers import ServerProcess, busy_in, steps_in
+from benchmarks.servers import ServerProcess, busy_in, prefill_steps_in, steps_in
 from benchmarks.thread_detail import per_step, read_thread
 from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, mlx_thread_id, thread_times
 from benchmarks.workload import Workload
@@ -32,7 +32,8 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
         health = server.health()
         threads = thread_times(server.pid, children=True)
         stepping = mlx_thread_id(threads)
-        start.update(steps=steps_in(health), busy=busy_in(health), threads=threads,
+        start.update(steps=steps_in(health), prefill_steps=prefill_steps_in(health),
+                     busy=busy_in(health), threads=threads,
                      stepping=stepping, detail=read_thread(stepping))
         host.start()
 
@@ -48,7 +49,10 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     result["health_after"] = server.health()
     steps = steps_in(result["health_after"])
     run_steps = None if steps is None or start["steps"] is None else steps - start["steps"]
-    step_figures(result["summary"], run_steps)
+    prefills = prefill_steps_in(result["health_after"])
+    step_figures(result["summary"], run_steps,
+                 None if prefills is None or start["prefill_steps"] is None
+                 else prefills - start["prefill_steps"])
     result["summary"]["stepping_detail"] = per_step(
         start["detail"], read_thread(start["stepping"]), run_steps)
     busy = busy_in(result["health_after"])

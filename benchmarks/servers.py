@@ -178,6 +178,12 @@ def steps_in(health: dict[str, Any] | None) -> int | None:
     return steps if isinstance(steps, int) else None
 
 
+def prefill_steps_in(health: dict[str, Any] | None) -> int | None:
+    """The batch steps that also prefilled prompts, from mlx_serve's /health, or None."""
+    steps = health.get("prefill_steps") if health else None
+    return steps if isinstance(steps, int) else None
+
+
 def busy_in(health: dict[str, Any] | None) -> float | None:
     """Seconds mlx_serve's MLX thread has spent in finished jobs, from /health, or None."""
     busy = health.get("mlx_busy_s") if health else None

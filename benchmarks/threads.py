@@ -134,4 +134,7 @@ def describe_threads(summary: dict[str, Any]) -> str:
             if by else "")
     if busy is not None:  # mlx_serve's MLX thread: in jobs this share of the run
         line = f"{line}  mlx busy {100 * busy:.0f} %".lstrip()
+    prefill = summary.get("prefill_step_share")
+    if prefill is not None:  # steps that also prefilled newcomers
+        line = f"{line}  prefill in {100 * prefill:.0f} % of steps".lstrip()
     return f"{line}  {describe_detail(summary.get('stepping_detail'))}".strip()

@@ -88,6 +88,11 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
         # request. At most 2 tokens a step.
         assert 8 <= summary["steps"] <= 22 and 0 < summary["tokens_per_step"] <= 2
         assert summary["ms_per_step"] > 0
+        # Each prompt took at least one step that also prefilled (alone or together);
+        # the decode-only steps are most of a run of 8-token outputs.
+        assert 1 <= summary["prefill_steps"] < summary["steps"]
+        assert summary["prefill_step_share"] == round(
+            summary["prefill_steps"] / summary["steps"], 4)
     for run in report["runs"]:  # what the host gave each run was read through it
         probe = run["result"]["summary"]["host"]["cpu_probe_ms"]
         assert probe["samples"] >= 1 and probe["p50"] > 0

@@ -534,6 +534,8 @@ def test_health_reports_the_mlx_threads_busy_time(server):
     # The request's steps ran on the MLX thread, each counted once it had finished.
     assert after["steps"] > before["steps"]
     assert after["mlx_busy_s"] > before["mlx_busy_s"] >= 0
+    # The prompt was prefilled in a step of its own or beside a decode: counted apart.
+    assert 1 <= after["prefill_steps"] - before["prefill_steps"] < after["steps"] - before["steps"]
 
 
 def test_the_startup_heap_is_frozen_out_of_the_garbage_collectors_view(server):

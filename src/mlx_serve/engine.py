@@ -66,7 +66,8 @@ class Engine:
         self._batch: frozenset[str] | None = None  # None: every open request is in it
         self._isolation = Isolation(config.max_failed_rebuilds, config.max_request_failures)
         self._step_started: float | None = None
-        self._counts = {"steps": 0, "recoveries": 0, "replays": 0, "isolated": 0}
+        self._counts = {"steps": 0, "prefill_steps": 0, "recoveries": 0, "replays": 0,
+                        "isolated": 0}
         self._draining = False
         self.runner: Any = None
         self._aborted = False
@@ -284,6 +285,7 @@ class Engine:
             # Batch steps the model ran; a step that hung counts, a queued empty one not.
             if step.outcome is None or step.outcome.ran_batch:
                 self._counts["steps"] += 1
+                self._counts["prefill_steps"] += bool(step.outcome and step.outcome.prefilled)
 
     async def _done_or_aborted(self, step: EngineStep, deadline: float | None,
                                queued: EngineStep | None = None) -> bool:

@@ -44,6 +44,7 @@ class EngineStatistics:
     step_age: float
     error: str | None
     mlx_busy: float = 0.0  # seconds the MLX thread has spent in finished jobs
+    prefill_steps: int = 0  # batch steps that also processed prompts
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -51,4 +52,5 @@ class EngineStatistics:
             "steps": self.steps, "recoveries": self.recoveries, "replays": self.replays,
             "isolated": self.isolated, "step_age_s": round(self.step_age, 3),
             "error": self.error, "mlx_busy_s": round(self.mlx_busy, 4),
+            "prefill_steps": self.prefill_steps,
         }

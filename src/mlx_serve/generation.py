@@ -105,3 +105,4 @@ class StepOutcome:
     error: BaseException | None = None  # the step itself failed: rebuild before the next
     skipped: bool = False  # queued behind a failed step: admissions taken, nothing stepped
     ran_batch: bool = False  # the model ran (or tried to run) a batch step: not an empty one
+    prefilled: bool = False  # the step also processed prompts (a prefill call)

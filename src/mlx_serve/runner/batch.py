@@ -140,7 +140,8 @@ class Runner:
         # Sampled every so often, and when the batch empties so that idle figures settle.
         if not self._by_uid or time.monotonic() - self._memory_sampled >= MEMORY_SAMPLE_INTERVAL_S:
             self._sample_memory()
-        return StepOutcome(deltas=tuple(deltas), failed=tuple(failed), ran_batch=True)
+        return StepOutcome(deltas=tuple(deltas), failed=tuple(failed), ran_batch=True,
+                           prefilled=bool(prompt_responses))
 
     def _take_while_broken(self, admissions: Sequence[GenerationRequest],
                            cancellations: Collection[str]) -> StepOutcome:
