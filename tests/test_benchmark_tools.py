@@ -484,3 +484,37 @@ def test_stall_traces_keep_a_variants_own_choice_of_dumps():
     assert with_stall_log({}, traces=True)[TRACES_ENV] == "1"  # loop traces only
     assert with_stall_log({TRACES_ENV: "all"}, traces=True)[TRACES_ENV] == "all"
     assert TRACES_ENV not in with_stall_log({})
+
+
+def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks.phase_report import format_windows, read_windows
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MLX_PHASE_PROBE_OUT": str(tmp_path / "phases"),
+           "MLX_PHASE_PROBE_EVERY": "10",
+           "PYTHONPATH": os.pathsep.join([str(root / "benchmarks" / "phase_probe"),
+                                          str(root / "src"), str(root)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine_limit", "--model", str(tiny_model_dir),
+         "--concurrency", "2", "--num-requests", "4", "--prompt-tokens", "16",
+         "--output-tokens", "16", "--one-array-logprobs"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (path,) = tmp_path.glob("phases.*")  # one file, named after the process
+    windows = read_windows(path)
+    # 4 requests of 16 tokens, 2 at a time: at least 16 batch steps, one line per 10.
+    assert len(windows) >= 2 and all(w["steps"] == 10 for w in windows)
+    for w in windows:
+        step = w["phases"]["BatchGenerator._next"]
+        assert step["calls"] == 1.0 and 0 < step["cpu_ms"] <= step["wall_ms"] * 1.5
+        # The inner phases are inside the step: none takes longer than it.
+        assert all(p["wall_ms"] <= step["wall_ms"] + 0.01 for p in w["phases"].values()
+                   if p["calls"] <= 1)
+    # The decode step ran as mlx_serve's one-array step, bound to the harness's batch.
+    assert any("GenerationBatch._step (one array)" in w["phases"] for w in windows)
+    assert "BatchGenerator._next" in format_windows(windows)
