@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import anyio
 import anyio.lowlevel
@@ -13,6 +17,7 @@ import pytest
 from benchmarks.env_ab import parse_variant, relative_table
 from benchmarks.loadgen import Target, run_load
 from benchmarks.metrics import format_table
+from benchmarks.phase_report import format_windows, read_windows
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -487,13 +492,6 @@ def test_stall_traces_keep_a_variants_own_choice_of_dumps():
 
 
 def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_dir, tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from benchmarks.phase_report import format_windows, read_windows
-
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "MLX_PHASE_PROBE_OUT": str(tmp_path / "phases"),
            "MLX_PHASE_PROBE_EVERY": "10",
@@ -511,7 +509,7 @@ def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_d
     assert len(windows) >= 2 and all(w["steps"] == 10 for w in windows)
     for w in windows:
         step = w["phases"]["BatchGenerator._next"]
-        assert step["calls"] == 1.0 and 0 < step["cpu_ms"] <= step["wall_ms"] * 1.5
+        assert step["calls"] == 1.0 and 0 < step["cpu_ms"] <= step["wall_ms"] + 0.05
         # The inner phases are inside the step: none takes longer than it.
         assert all(p["wall_ms"] <= step["wall_ms"] + 0.01 for p in w["phases"].values()
                    if p["calls"] <= 1)
