@@ -74,6 +74,8 @@ class ABConfig:
     # The engine harness steps with mlx_serve's decode step, not mlx-lm's own: the ratio
     # is then the server's overhead alone.
     engine_one_array_logprobs: bool = False
+    # ... and mlx_serve's prefill schedule (a prompt joins decoding a step sooner).
+    engine_early_decode_join: bool = False
     # One engine-harness process, the model loaded once, for every engine run (as the
     # servers stay loaded); False (or isolate) starts one per run.
     keep_engine: bool = True
@@ -190,7 +192,8 @@ class ABRunner:
         prompts_file.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
         out.unlink(missing_ok=True)  # never report an earlier run's result as this one's
         cfg, log_path = self.config, self.workdir / "engine.log"
-        command = harness_command(self.model_path, cfg.batch, cfg.engine_one_array_logprobs)
+        command = harness_command(self.model_path, cfg.batch, cfg.engine_one_array_logprobs,
+                                  cfg.engine_early_decode_join)
         if cfg.engine_kept:
             if self.engine is None:
                 self.engine = EngineWorker(command, self.native.env(), log_path,
@@ -320,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-one-array-logprobs", action="store_true",
                    help="the engine harness steps with mlx_serve's decode step instead of "
                         "mlx-lm's own (the ratio is then the server's overhead alone)")
+    p.add_argument("--engine-early-decode-join", action="store_true",
+                   help="the engine harness moves prefilled prompts into decoding a step "
+                        "sooner, as mlx_serve does (mlx-lm's own schedule otherwise)")
     p.add_argument("--engine-process", choices=("kept", "fresh"), default="kept",
                    help="kept: one engine-harness process loads the model once and runs "
                         "every engine run, as the servers stay loaded (default); fresh: a "
@@ -353,6 +359,7 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
         blas=args.blas, allocator=args.allocator, rate=args.rate, settle=args.settle,
         isolate=args.isolate,
         engine_one_array_logprobs=args.engine_one_array_logprobs,
+        engine_early_decode_join=args.engine_early_decode_join,
         keep_engine=args.engine_process == "kept")
 
 

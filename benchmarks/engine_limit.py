@@ -47,6 +47,9 @@ class BatchSettings:
     # mlx_serve's decode step (log-probabilities evaluated as one array) in place of
     # mlx-lm's: the engine that mlx_serve drives, rather than the stock one.
     one_array_logprobs: bool = False
+    # mlx_serve's prefill schedule: a prompt joins the decode batch in the step that
+    # finished its prefill, a step sooner than in mlx-lm's (runner/early_split.py).
+    early_decode_join: bool = False
 
 
 @dataclass
@@ -80,6 +83,11 @@ class EngineHarness:
 
             if not use_one_array_step(gen):
                 raise RuntimeError("this mlx-lm has no one-array decode step")
+        if self.batch.early_decode_join:
+            from mlx_serve.runner.early_split import use_early_split
+
+            if not use_early_split(gen):
+                raise RuntimeError("this mlx-lm has no early decode join")
         return gen
 
     def run(self, prompts: list[list[int]], workload: Workload) -> dict[str, Any]:
@@ -266,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--one-array-logprobs", action="store_true",
                    help="step with mlx_serve's decode step instead of mlx-lm's own")
+    p.add_argument("--early-decode-join", action="store_true",
+                   help="move prefilled prompts into decoding a step sooner, as mlx_serve does")
     p.add_argument("--prompts-file", default=None,
                    help='JSON {"prompts": [...], "warmup": [...]} (overrides --seed)')
     p.add_argument("--mlx-cache-limit-bytes", type=int, default=None,
@@ -294,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(args.prompt_tokens, args.output_tokens, args.num_requests,
                         args.concurrency, args.seed, args.rate, args.time_limit)
     batch = BatchSettings(args.decode_batch_size, args.prefill_batch_size,
-                          args.prefill_step_size, args.one_array_logprobs)
+                          args.prefill_step_size, args.one_array_logprobs,
+                          args.early_decode_join)
     if args.jobs:
         return _serve_jobs(args, batch)
     prompts, warmup = _prompts(args)

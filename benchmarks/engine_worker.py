@@ -28,15 +28,16 @@ from benchmarks.servers import BatchConfig, cache_limit_flag, end_process
 from benchmarks.workload import Workload
 
 
-def harness_command(model_path: str, batch: BatchConfig, one_array_logprobs: bool
-                    ) -> list[str]:
+def harness_command(model_path: str, batch: BatchConfig, one_array_logprobs: bool,
+                    early_decode_join: bool = False) -> list[str]:
     """``engine_limit`` with the settings every run of one A/B shares."""
     return [sys.executable, "-m", "benchmarks.engine_limit", "--model", model_path,
             "--decode-batch-size", str(batch.decode_batch_size),
             "--prefill-batch-size", str(batch.prefill_batch_size),
             "--prefill-step-size", str(batch.prefill_step_size),
             *cache_limit_flag(batch),
-            *(["--one-array-logprobs"] if one_array_logprobs else [])]
+            *(["--one-array-logprobs"] if one_array_logprobs else []),
+            *(["--early-decode-join"] if early_decode_join else [])]
 
 
 def workload_flags(workload: Workload) -> list[str]:

@@ -77,6 +77,11 @@ class Settings(BaseSettings):
         description="evaluate each decode step's log-probabilities as one array, not one "
                     "per sequence as mlx-lm does (same output, shorter steps)",
     )
+    early_decode_join: bool = Field(
+        True,
+        description="move each prompt into the decode batch in the step that finished its "
+                    "prefill, a step sooner than mlx-lm does (first tokens a step sooner)",
+    )
     max_n: int = Field(16, ge=1, le=128, description="most choices (n x prompts) per request")
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] = Field(
         "reasoning", description="reply field(s) that carry a thinking model's reasoning"

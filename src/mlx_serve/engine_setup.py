@@ -43,7 +43,8 @@ def make_loader(settings: Settings, failpoints: FailPoints) -> Any:
                              max_context=settings.max_context,
                              prefix_cache_bytes=settings.prefix_cache_bytes,
                              cache_limit_bytes=settings.mlx_cache_limit_bytes,
-                             one_array_logprobs=settings.one_array_logprobs)
+                             one_array_logprobs=settings.one_array_logprobs,
+                             early_decode_join=settings.early_decode_join)
         log.info("model loaded: context %d tokens", runner.context_length)
         return runner
 

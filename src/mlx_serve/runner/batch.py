@@ -21,6 +21,7 @@ from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Delta, GenerationRequest, StepOutcome
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
+from mlx_serve.runner.early_split import use_early_split
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
@@ -71,6 +72,7 @@ class Runner:
         failpoints: FailPoints,
         prefix_cache_bytes: int = 0,
         one_array_logprobs: bool = True,
+        early_decode_join: bool = True,
         model_path: str = "",
     ) -> None:
         self.model = model
@@ -96,6 +98,7 @@ class Runner:
         # Choices of one prompt wait for its first sequence's prefill, then reuse its KV.
         self._waiting_for_prefill: dict[tuple[int, ...], list[_Live]] = {}
         self._one_array_logprobs = one_array_logprobs
+        self._early_decode_join = early_decode_join
         self._batch = self._new_batch()
         self._memory: dict[str, int] = {}
         self._memory_sampled = 0.0
@@ -230,6 +233,8 @@ class Runner:
         )
         if self._one_array_logprobs:
             use_one_array_step(batch)
+        if self._early_decode_join:
+            use_early_split(batch)
         return batch
 
     def _close_batch(self) -> None:
@@ -350,7 +355,7 @@ def _user_set(user: str | None) -> set[str]:
 def load_runner(
     path: str, *, limits: BatchLimits, failpoints: FailPoints, max_context: int | None = None,
     prefix_cache_bytes: int = 0, cache_limit_bytes: int | None = None,
-    one_array_logprobs: bool = True,
+    one_array_logprobs: bool = True, early_decode_join: bool = True,
 ) -> Runner:
     """Load a model and build its runner. Call on the MLX thread."""
     from mlx_lm import load
@@ -366,4 +371,5 @@ def load_runner(
     vocab = config.get("vocab_size") or len(tokenizer.get_vocab())
     return Runner(model, tokenizer, context_length=int(context), vocab_size=int(vocab),
                   limits=limits, failpoints=failpoints, prefix_cache_bytes=prefix_cache_bytes,
-                  one_array_logprobs=one_array_logprobs, model_path=str(path))
+                  one_array_logprobs=one_array_logprobs,
+                  early_decode_join=early_decode_join, model_path=str(path))

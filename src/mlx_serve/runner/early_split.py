@@ -1,0 +1,73 @@
+"""Newcomers move into the decode batch in the step that finished their prefill.
+
+mlx-lm 0.32's ``BatchGenerator`` splits a prompt into everything but its last token and
+that last token. One ``next()`` call prefills the first part; the *next* call moves the
+sequence into the decode batch (queuing its first token); the call after that returns
+the token. So a newcomer waits three batch steps for its first token, one of them only
+for the move.
+
+``use_early_split`` makes each call also move the sequences whose prefill it has just
+finished, at its end: the same move with the same arguments, one call sooner, so the
+first token comes a step sooner. Each sequence's tokens are computed from the same cache
+and inputs; what changes is only the step at which it joins the decode batch, which in
+plain serving already depends on when its request arrived. With nothing else in the
+batch (one stream) the steps are the same ones, one call earlier; the tests compare
+the outputs with mlx-lm's own schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import MethodType
+from typing import Any
+
+import mlx_lm
+from mlx_lm.generate import PromptProcessingBatch
+
+from mlx_serve.runner.decode_step import MIRRORED_RELEASE
+
+log = logging.getLogger(__name__)
+
+
+def move_prefilled(self: Any, prompt_responses: list[Any]) -> None:
+    """mlx-lm 0.32.2's split block of ``BatchGenerator._next``, run for the sequences
+    whose whole prompt but the last token is in their cache. Bound by ``use_early_split``.
+    """
+    if len(self._generation_batch) >= self.completion_batch_size:
+        return  # mlx-lm moves none while the decode batch is full; nor does this
+    split: list[int] = []
+    keep: list[int] = []
+    for i, seq in enumerate(self._currently_processing):
+        segments = seq[0]
+        (split if len(segments) == 1 and len(segments[0]) == 1 else keep).append(i)
+    if not split:
+        return
+    last_inputs = [self._currently_processing[i][0][0] for i in split]
+    progress = [(self._currently_processing[i][2],) * 2 for i in split]
+    self._currently_processing = [self._currently_processing[i] for i in keep]
+    gen_batch = self._prompt_batch.split(split).generate(last_inputs)
+    for i, p in enumerate(progress):
+        prompt_responses.append(
+            PromptProcessingBatch.Response(gen_batch.uids[i], p, True, True))
+    self._generation_batch.extend(gen_batch)
+
+
+def _next_with_early_split(self: Any) -> tuple[list[Any], list[Any]]:
+    prompt_responses, generation_responses = type(self)._next(self)
+    self._move_prefilled(prompt_responses)
+    return prompt_responses, generation_responses
+
+
+def use_early_split(batch_generator: Any) -> bool:
+    """Make ``batch_generator`` move prefilled sequences into decoding a call sooner.
+
+    With an mlx-lm whose ``_next`` this does not mirror, its own schedule stays;
+    returns whether the change is in place.
+    """
+    if mlx_lm.__version__ != MIRRORED_RELEASE:
+        log.warning("mlx-lm %s: keeping its own prefill schedule (the early move mirrors %s)",
+                    mlx_lm.__version__, MIRRORED_RELEASE)
+        return False
+    batch_generator._move_prefilled = MethodType(move_prefilled, batch_generator)
+    batch_generator._next = MethodType(_next_with_early_split, batch_generator)
+    return True
