@@ -30,6 +30,7 @@ from benchmarks.metrics import (
     RequestRecord,
     cpu_per_token,
     report_run,
+    run_span,
     step_figures,
     summarize,
 )
@@ -101,6 +102,7 @@ class EngineHarness:
         records: list[RequestRecord] = []
         steps = prefill_steps = 0
         start = last_done = time.perf_counter()
+        wall_start = time.time()
         try:
             while waiting or inflight:
                 now = time.perf_counter() - start
@@ -128,6 +130,7 @@ class EngineHarness:
             gen.close()
         records.extend(RequestRecord(error="not finished at the time limit") for _ in inflight)
         summary = summarize(records, last_done - start)
+        run_span(summary, wall_start, last_done - start)
         step_figures(summary, steps, prefill_steps)
         return summary
 

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 from benchmarks.health_probe import HealthProbe
-from benchmarks.metrics import RequestRecord, percentiles, report_run, summarize
+from benchmarks.metrics import RequestRecord, percentiles, report_run, run_span, summarize
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 T = TypeVar("T")
@@ -159,6 +159,7 @@ class _Run:
         self.client, self.target, self.workload, self.prompts = client, target, workload, prompts
         self.records: list[RequestRecord] = []
         self.start = time.perf_counter()
+        self.wall_start = time.time()
         self.last_done = self.start
         self._next = 0
 
@@ -249,6 +250,7 @@ async def run_load(target: Target, workload: Workload, prompts: list[str],
             health = probe.stop() if probe is not None else []
     duration = run.last_done - run.start
     summary = summarize(run.records, duration)
+    run_span(summary, run.wall_start, duration)
     # The generator's own CPU use, in cores: near 1.0 it, not the server, set the pace.
     summary["client_cpu"] = (time.process_time() - cpu_start) / max(duration, 1e-9)
     if target.health_probe:

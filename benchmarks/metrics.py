@@ -68,6 +68,13 @@ def cpu_per_token(summary: dict[str, Any], cpu_seconds: float | None) -> None:
                                    if tokens and cpu_seconds is not None else None)
 
 
+def run_span(summary: dict[str, Any], wall_start: float, duration: float) -> None:
+    """Record when the measured run ran (epoch seconds, first send to last completion),
+    so that what other tools logged meanwhile (``benchmarks.phase_report --runs``) can
+    be matched to it."""
+    summary["span"] = [round(wall_start, 3), round(wall_start + duration, 3)]
+
+
 def step_figures(summary: dict[str, Any], steps: int | None,
                  prefill_steps: int | None = None) -> None:
     """Record how many batch steps a run took: tokens per step and ms per step.

@@ -1,13 +1,19 @@
-"""Print the phase probe's lines (``benchmarks/phase_probe``) as one table per file.
+"""Print the phase probe's lines (``benchmarks/phase_probe``): per window, or per run.
 
     python -m benchmarks.phase_report /tmp/phases.*
+    python -m benchmarks.phase_report --runs benchmarks/results/ab-....json /tmp/phases.*
 
-Each row is one window of batch steps; each cell a phase's thread CPU ms / wall ms /
-minor faults per batch step (inclusive of the phases inside it).
+Each window row is one window of batch steps; each cell a phase's thread CPU ms / wall
+ms / minor faults per batch step (inclusive of the phases inside it). With ``--runs``
+(an ``ab`` or ``env_ab`` results file), the windows that fall inside each measured run's
+span are pooled into one row per run, whichever process wrote them (the contenders run
+one at a time); use short windows (``MLX_PHASE_PROBE_EVERY=20``) so that few straddle a
+run's edges, which are left out.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,27 +24,85 @@ def read_windows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _cell(p: dict[str, Any] | None) -> str:
+    return "-" if p is None else f"{p['cpu_ms']:.2f} / {p['wall_ms']:.2f} / {p['faults']:.0f}"
+
+
 def format_windows(windows: list[dict[str, Any]]) -> str:
     labels = sorted({label for w in windows for label in w["phases"]})
     lines = ["| steps | wall ms/step | " + " | ".join(labels) + " |",
              "|---|---|" + "---|" * len(labels)]
     for w in windows:
-        cells = []
-        for label in labels:
-            p = w["phases"].get(label)
-            cells.append("-" if p is None else
-                         f"{p['cpu_ms']:.2f} / {p['wall_ms']:.2f} / {p['faults']:.0f}")
+        cells = [_cell(w["phases"].get(label)) for label in labels]
         lines.append(f"| {w['steps']} | {w['wall_ms_per_step']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def pooled(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Windows pooled into one: per-step figures weighted by each window's steps."""
+    steps = sum(w["steps"] for w in windows)
+    phases: dict[str, dict[str, float]] = {}
+    for w in windows:
+        for label, p in w["phases"].items():
+            acc = phases.setdefault(label, {"calls": 0.0, "cpu_ms": 0.0, "wall_ms": 0.0,
+                                            "faults": 0.0})
+            for key in acc:
+                acc[key] += p[key] * w["steps"] / steps
+    return {"steps": steps, "phases": phases}
+
+
+def _window_span(w: dict[str, Any]) -> tuple[float, float]:
+    return w["time"] - w["steps"] * w["wall_ms_per_step"] / 1e3, w["time"]
+
+
+def runs_of(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, summary) of each run in an ``ab`` or ``env_ab`` results file."""
+    out = []
+    for run in results["runs"]:
+        summary = run["result"]["summary"] if "result" in run else run["summary"]
+        who = run.get("target") or run.get("variant")
+        out.append((f"round {run['round']} c={run['concurrency']} {who}", summary))
+    return out
+
+
+def by_run(results: dict[str, Any], windows: list[dict[str, Any]]
+           ) -> list[tuple[str, dict[str, Any] | None]]:
+    rows = []
+    for name, summary in runs_of(results):
+        span = summary.get("span")
+        inside = [w for w in windows if span and span[0] <= _window_span(w)[0]
+                  and _window_span(w)[1] <= span[1]]
+        rows.append((name, pooled(inside) if inside else None))
+    return rows
+
+
+def format_runs(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
+    labels = sorted({label for _, p in rows if p for label in p["phases"]})
+    lines = ["| run | steps | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    for name, p in rows:
+        if p is None:
+            lines.append(f"| {name} | 0 |" + " - |" * len(labels))
+            continue
+        cells = [_cell(p["phases"].get(label)) for label in labels]
+        lines.append(f"| {name} | {p['steps']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
-    if not paths:
-        raise SystemExit("usage: python -m benchmarks.phase_report FILE...")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.phase_report",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", help="the probe's PATH.<pid> files")
+    parser.add_argument("--runs", default=None, help="an ab or env_ab results JSON")
+    args = parser.parse_args(argv)
+    paths = [Path(p) for p in args.files]
+    print("CPU ms / wall ms / minor faults per batch step\n")
+    if args.runs:
+        windows = [w for path in paths for w in read_windows(path)]
+        print(format_runs(by_run(json.loads(Path(args.runs).read_text()), windows)))
+        return 0
     for path in paths:
-        print(f"{path}: CPU ms / wall ms / minor faults per batch step\n")
-        print(format_windows(read_windows(path)) + "\n")
+        print(f"{path}\n\n{format_windows(read_windows(path))}\n")
     return 0
 
 

@@ -17,7 +17,7 @@ import pytest
 from benchmarks.env_ab import parse_variant, relative_table
 from benchmarks.loadgen import Target, run_load
 from benchmarks.metrics import format_table
-from benchmarks.phase_report import format_windows, read_windows
+from benchmarks.phase_report import by_run, format_runs, format_windows, read_windows
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -96,6 +96,9 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
         # Each prompt took at least one step that also prefilled (alone or together);
         # the decode-only steps are most of a run of 8-token outputs.
         assert 1 <= summary["prefill_steps"] < summary["steps"]
+        # When the measured load ran (epoch seconds), for matching other logs to it.
+        begun, ended = summary["span"]
+        assert 0 < ended - begun == pytest.approx(summary["duration_s"], abs=0.01)
         assert summary["prefill_step_share"] == round(
             summary["prefill_steps"] / summary["steps"], 4)
     for run in report["runs"]:  # what the host gave each run was read through it
@@ -516,3 +519,26 @@ def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_d
     # The decode step ran as mlx_serve's one-array step, bound to the harness's batch.
     assert any("GenerationBatch._step (one array)" in w["phases"] for w in windows)
     assert "BatchGenerator._next" in format_windows(windows)
+
+
+def test_the_phase_report_pools_the_windows_inside_each_runs_span():
+    def window(end: float, cpu: float) -> dict:
+        # 10 steps of 100 ms: the window covers [end - 1, end].
+        return {"time": end, "steps": 10, "wall_ms_per_step": 100.0,
+                "phases": {"BatchGenerator._next": {"calls": 1.0, "cpu_ms": cpu,
+                                                    "wall_ms": 90.0, "faults": cpu}}}
+
+    windows = [window(101.0, 5.0), window(102.0, 7.0), window(103.5, 9.0), window(110.0, 1.0)]
+    results = {"runs": [
+        {"round": 0, "concurrency": 4, "target": "engine",
+         "result": {"summary": {"span": [100.0, 102.5]}}},  # the first two windows
+        {"round": 0, "concurrency": 4, "target": "mlx_serve",
+         "result": {"summary": {"span": [103.0, 109.0]}}},  # none wholly inside
+    ]}
+    (engine_name, engine), (server_name, server) = by_run(results, windows)
+    assert engine_name == "round 0 c=4 engine" and engine["steps"] == 20
+    assert engine["phases"]["BatchGenerator._next"]["cpu_ms"] == pytest.approx(6.0)
+    assert server is None
+    table = format_runs([(engine_name, engine), (server_name, server)])
+    assert "| round 0 c=4 engine | 20 | 6.00 / 90.00 / 6 |" in table
+    assert "| round 0 c=4 mlx_serve | 0 | - |" in table
