@@ -67,11 +67,12 @@ def runs_of(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 def by_run(results: dict[str, Any], windows: list[dict[str, Any]]
            ) -> list[tuple[str, dict[str, Any] | None]]:
+    spans = [(w, _window_span(w)) for w in windows]
     rows = []
     for name, summary in runs_of(results):
         span = summary.get("span")
-        inside = [w for w in windows if span and span[0] <= _window_span(w)[0]
-                  and _window_span(w)[1] <= span[1]]
+        inside = [w for w, (begun, ended) in spans
+                  if span and span[0] <= begun and ended <= span[1]]
         rows.append((name, pooled(inside) if inside else None))
     return rows
 

@@ -8,15 +8,17 @@ and what the host gave the run.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks.host import HostWatch
 from benchmarks.loadgen import Target, run_async, run_load
 from benchmarks.metrics import busy_share, cpu_per_token, step_figures
-from benchmarks.servers import ServerProcess, busy_in, prefill_steps_in, steps_in
+from benchmarks.servers import ServerProcess, busy_in, steps_in
 from benchmarks.thread_detail import per_step, read_thread
 from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, mlx_thread_id, thread_times
 from benchmarks.workload import Workload
+
+T = TypeVar("T", int, float)
 
 
 def measured_load(server: ServerProcess, target: Target, workload: Workload,
@@ -32,7 +34,7 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
         health = server.health()
         threads = thread_times(server.pid, children=True)
         stepping = mlx_thread_id(threads)
-        start.update(steps=steps_in(health), prefill_steps=prefill_steps_in(health),
+        start.update(steps=steps_in(health), prefill_steps=steps_in(health, "prefill_steps"),
                      busy=busy_in(health), threads=threads,
                      stepping=stepping, detail=read_thread(stepping))
         host.start()
@@ -47,15 +49,16 @@ def measured_load(server: ServerProcess, target: Target, workload: Workload,
     cpu_per_token(result["summary"], None if roles is None else sum(roles.values()))
     cpu_per_token_by_thread(result["summary"], roles)
     result["health_after"] = server.health()
-    steps = steps_in(result["health_after"])
-    run_steps = None if steps is None or start["steps"] is None else steps - start["steps"]
-    prefills = prefill_steps_in(result["health_after"])
+    after = result["health_after"]
+    run_steps = _grown(start["steps"], steps_in(after))
     step_figures(result["summary"], run_steps,
-                 None if prefills is None or start["prefill_steps"] is None
-                 else prefills - start["prefill_steps"])
+                 _grown(start["prefill_steps"], steps_in(after, "prefill_steps")))
     result["summary"]["stepping_detail"] = per_step(
         start["detail"], read_thread(start["stepping"]), run_steps)
-    busy = busy_in(result["health_after"])
-    busy_share(result["summary"],
-               None if busy is None or start["busy"] is None else busy - start["busy"])
+    busy_share(result["summary"], _grown(start["busy"], busy_in(after)))
     return result
+
+
+def _grown(before: T | None, after: T | None) -> T | None:
+    """A server counter's growth over the run (None where either reading is missing)."""
+    return None if before is None or after is None else after - before

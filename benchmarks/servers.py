@@ -172,15 +172,10 @@ def spawn(name: str, command: Callable[[int], list[str]], log_dir: Path,
     return server
 
 
-def steps_in(health: dict[str, Any] | None) -> int | None:
-    """The batch steps a /health body reports (mlx_serve's), or None."""
-    steps = health.get("steps") if health else None
-    return steps if isinstance(steps, int) else None
-
-
-def prefill_steps_in(health: dict[str, Any] | None) -> int | None:
-    """The batch steps that also prefilled prompts, from mlx_serve's /health, or None."""
-    steps = health.get("prefill_steps") if health else None
+def steps_in(health: dict[str, Any] | None, key: str = "steps") -> int | None:
+    """A step count a /health body reports (mlx_serve's): ``steps`` (batch steps) or
+    ``prefill_steps`` (those that also prefilled prompts); None without one."""
+    steps = health.get(key) if health else None
     return steps if isinstance(steps, int) else None
 
 

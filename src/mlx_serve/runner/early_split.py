@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def move_prefilled(self: Any, prompt_responses: list[Any]) -> None:
     """mlx-lm 0.32.2's split block of ``BatchGenerator._next``, run for the sequences
-    whose whole prompt but the last token is in their cache. Bound by ``use_early_split``.
+    whose whole prompt but the last token is in their cache. ``self``: the BatchGenerator.
     """
     if len(self._generation_batch) >= self.completion_batch_size:
         return  # mlx-lm moves none while the decode batch is full; nor does this
@@ -54,7 +54,7 @@ def move_prefilled(self: Any, prompt_responses: list[Any]) -> None:
 
 def _next_with_early_split(self: Any) -> tuple[list[Any], list[Any]]:
     prompt_responses, generation_responses = type(self)._next(self)
-    self._move_prefilled(prompt_responses)
+    move_prefilled(self, prompt_responses)
     return prompt_responses, generation_responses
 
 
@@ -68,6 +68,5 @@ def use_early_split(batch_generator: Any) -> bool:
         log.warning("mlx-lm %s: keeping its own prefill schedule (the early move mirrors %s)",
                     mlx_lm.__version__, MIRRORED_RELEASE)
         return False
-    batch_generator._move_prefilled = MethodType(move_prefilled, batch_generator)
     batch_generator._next = MethodType(_next_with_early_split, batch_generator)
     return True
