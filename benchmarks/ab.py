@@ -22,12 +22,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks import environment
+from benchmarks.contenders import resolve_model_path, resolve_native, rotated
 from benchmarks.engine_worker import EngineWorker, harness_command, run_fresh
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.memory import rss_run
@@ -43,7 +43,6 @@ from benchmarks.servers import (
     spawn,
 )
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
-from mlx_serve.preload import find_jemalloc, find_openblas
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -79,6 +78,10 @@ class ABConfig:
     # One engine-harness process, the model loaded once, for every engine run (as the
     # servers stay loaded); False (or isolate) starts one per run.
     keep_engine: bool = True
+    # Before the first round, every contender serves one unmeasured run of the measured
+    # shape at the largest concurrency: a short burst leaves each process to meet most
+    # batch sizes and cache lengths (kernels, graphs, buffers) first in round 0.
+    warm_run: bool = True
 
     @property
     def engine_kept(self) -> bool:
@@ -89,46 +92,6 @@ class ABConfig:
         n = max(self.min_requests, self.requests_per_stream * concurrency)
         return Workload(self.prompt_tokens, self.output_tokens, n, concurrency, seed,
                         self.rate, self.run_time_limit)
-
-
-def resolve_model_path(spec: str, workdir: Path) -> str:
-    """``tiny``: the tiny random model; ``default`` / ``default-f32``: SmolLM2 in 4-bit or
-    dequantized to float32 (mlx_serve's form with OpenBLAS); else a model folder."""
-    if spec == "tiny":
-        from mlx_serve.tiny_model import build_tiny_model
-
-        return str(build_tiny_model(workdir / "tiny-model"))
-    if spec in ("default", "default-f32"):
-        from mlx_serve.models import resolve_model
-
-        return resolve_model(None, dequantize=spec == "default-f32")[0]
-    return spec
-
-
-def resolve_native(blas: str, allocator: str) -> NativeLibs:
-    """The preloaded libraries every contender gets (``--blas``, ``--allocator``): the
-    installed one for "auto", none when turned off, an exit when asked for but missing."""
-
-    def pick(choice: str, off: str, find: Callable[[], str | None], package: str
-             ) -> str | None:
-        library = None if choice == off else find()
-        if library is None and choice not in ("auto", off):
-            raise SystemExit(f"{choice} not found (apt-get install {package})")
-        return library
-
-    return NativeLibs(pick(blas, "reference", find_openblas, "libopenblas0-pthread"),
-                      pick(allocator, "system", find_jemalloc, "libjemalloc2"))
-
-
-def rotated(targets: tuple[str, ...], rnd: int) -> tuple[str, ...]:
-    """The contenders' order in round ``rnd``: each takes every position in turn.
-
-    Position matters on the GPU machine: the server measured right after the engine
-    harness (a process that has just used, then released, the GPU) was the slower one
-    in every pair of one run, by up to 2x; a fixed order would bias every ratio.
-    """
-    k = rnd % len(targets)
-    return targets[k:] + targets[:k]
 
 
 class ABRunner:
@@ -149,6 +112,8 @@ class ABRunner:
 
     def run_all(self) -> None:
         cfg = self.config
+        if cfg.warm_run and not cfg.isolate:  # isolated runs start every process afresh
+            self.warm_runs()
         for rnd in range(cfg.rounds):
             for conc in cfg.concurrencies:
                 workload = cfg.workload(conc, cfg.seed + 1000 * rnd + conc)
@@ -159,6 +124,17 @@ class ABRunner:
                     self.runs.append({"round": rnd, "concurrency": conc, "target": name,
                                       "result": result})
                     print(format_runs(self.runs[-1:]), flush=True)
+
+    def warm_runs(self) -> None:
+        """One unmeasured run per contender, the measured shape at the top concurrency."""
+        cfg = self.config
+        workload = cfg.workload(max(cfg.concurrencies), cfg.seed + 777_777)
+        prompts, warmup = self.prompts(workload)
+        for name in cfg.targets:
+            summary = self.run_one(name, workload, prompts, warmup)["summary"]
+            print(f"warm run {name} (not counted): {summary['completed']} ok, "
+                  f"{summary['failed']} failed, {summary['output_throughput']:.1f} tok/s",
+                  flush=True)
 
     def run_one(self, name: str, workload: Workload, prompts: list[str],
                 warmup: list[str]) -> dict[str, Any]:
@@ -330,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kept: one engine-harness process loads the model once and runs "
                         "every engine run, as the servers stay loaded (default); fresh: a "
                         "process per run (always so with --isolate)")
+    p.add_argument("--warm-run", action=argparse.BooleanOptionalAction, default=True,
+                   help="one unmeasured run per contender before round 0, the measured "
+                        "shape at the largest concurrency (default on; off with --isolate)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
     p.add_argument("--rss-run", type=int, default=None, metavar="N",
                    help="memory mode: N requests against mlx_serve, RSS drift")
@@ -346,7 +325,7 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
         return ABConfig(model="tiny", concurrencies=(1, 8), rounds=2, prompt_tokens=64,
                         output_tokens=32, requests_per_stream=2, min_requests=8,
                         batch=BatchConfig(8, 8, 512), run_time_limit=30.0, blas=args.blas,
-                        allocator=args.allocator)
+                        allocator=args.allocator, warm_run=False)
     return ABConfig(
         model=args.model, concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
         rounds=args.rounds, prompt_tokens=args.prompt_tokens,
@@ -360,7 +339,7 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
         isolate=args.isolate,
         engine_one_array_logprobs=args.engine_one_array_logprobs,
         engine_early_decode_join=args.engine_early_decode_join,
-        keep_engine=args.engine_process == "kept")
+        keep_engine=args.engine_process == "kept", warm_run=args.warm_run)
 
 
 def main(argv: list[str] | None = None) -> int:

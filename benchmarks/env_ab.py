@@ -28,12 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ab import (
-    RESULTS_DIR,
-    resolve_model_path,
-    resolve_native,
-    rotated,
-)
+from benchmarks.ab import RESULTS_DIR
+from benchmarks.contenders import resolve_model_path, resolve_native, rotated
 from benchmarks.host import describe
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency

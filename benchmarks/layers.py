@@ -52,7 +52,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ab import rotated
+from benchmarks.contenders import rotated
 from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
 from benchmarks.report import cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import add_shape_args
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         from mlx_serve.preload import reexec_with_preloads
 
         reexec_with_preloads(argv, None, None, module="benchmarks.layers")
-    from benchmarks.ab import resolve_model_path
+    from benchmarks.contenders import resolve_model_path
     from benchmarks.environment import describe
 
     args.requests = args.requests or max(8, 4 * args.concurrency)
