@@ -45,6 +45,13 @@ def _install(out: str) -> None:
                        (gen.BatchGenerator, ("_next", "insert", "remove"))):
         for name in names:
             wrap(cls, name, f"{cls.__name__}.{name}")
+    # Finer phases where the CPU reads or frees device memory: a finished sequence's KV
+    # extraction reads every layer's padding, and mlx-lm empties MLX's buffer cache
+    # after every prefill chunk.
+    cache = importlib.import_module("mlx_lm.models.cache")
+    for name in ("extract", "filter", "extend"):
+        wrap(cache.BatchKVCache, name, f"BatchKVCache.{name}")
+    wrap(importlib.import_module("mlx.core"), "clear_cache", "mx.clear_cache")
     try:  # mlx_serve's runner, where it is importable
         runner = importlib.import_module("mlx_serve.runner.batch")
         step = importlib.import_module("mlx_serve.runner.decode_step")
@@ -54,6 +61,9 @@ def _install(out: str) -> None:
         wrap(step, "one_array_step", "GenerationBatch._step (one array)")  # bound per batch
         for name in ("step", "_advance", "_admit", "_remove"):
             wrap(runner.Runner, name, f"Runner.{name}")
+        prefix = importlib.import_module("mlx_serve.runner.prefix_cache")
+        for name in ("store", "lookup"):
+            wrap(prefix.PrefixCache, name, f"PrefixCache.{name}")
 
     every = int(os.environ.get("MLX_PHASE_PROBE_EVERY", "200"))
     seen: dict[str, list[int]] = {}
