@@ -126,7 +126,7 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
 
 
 def test_the_ab_runner_keeps_one_engine_process_for_every_engine_run_and_stops_it(
-        tiny_model_dir, tmp_path, monkeypatch):
+        tiny_model_dir, tmp_path, monkeypatch, capsys):
     import os
 
     from benchmarks import ab
@@ -141,6 +141,8 @@ def test_the_ab_runner_keeps_one_engine_process_for_every_engine_run_and_stops_i
     assert "error" not in report
     assert [(r["round"], r["concurrency"]) for r in report["runs"]] == [
         (0, 1), (0, 2), (1, 1), (1, 2)]
+    # Before round 0 the contender served one unmeasured run, counted in no figure.
+    assert capsys.readouterr().out.count("warm run engine (not counted): 2 ok, 0 failed") == 1
     pids = {r["result"]["target"]["pid"] for r in report["runs"]}
     assert len(pids) == 1  # the model was loaded once
     for run in report["runs"]:
@@ -521,6 +523,37 @@ def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_d
     assert "BatchGenerator._next" in format_windows(windows)
 
 
+def test_the_admission_probe_splits_each_requests_first_token_in_a_real_server(
+        tiny_model_dir, tmp_path):
+    import httpx
+
+    from benchmarks.admission_report import format_spans, read_spans
+    from tests.server_process import ServerProcess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"MLX_ADMISSION_PROBE_OUT": str(tmp_path / "admission"),
+           "PYTHONPATH": os.pathsep.join([str(root / "benchmarks" / "admission_probe"),
+                                          str(root / "src"), str(root)])}
+    server = ServerProcess(tiny_model_dir, tmp_path / "server.log", env=env)
+    try:
+        server.wait_ready()
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            for n in range(3):
+                with client.stream("POST", "/v1/completions", json={
+                        "prompt": f"count {n}", "max_tokens": 8, "temperature": 0,
+                        "stream": True}) as reply:
+                    assert reply.status_code == 200
+                    assert any(line.startswith("data: [DONE]") for line in reply.iter_lines())
+    finally:
+        server.stop()
+    (path,) = tmp_path.glob("admission.*")  # one process: re-executing keeps the pid
+    rows = read_spans([path])
+    # One line per request that produced text: the tiny model's greedy 8 tokens do.
+    assert len(rows) == 3
+    assert all(len(r) == 3 and all(span >= 0 for span in r) for r in rows)
+    assert "| taken -> admitting step begins |" in format_spans(rows)
+
+
 def test_the_phase_report_pools_the_windows_inside_each_runs_span():
     def window(end: float, cpu: float) -> dict:
         # 10 steps of 100 ms: the window covers [end - 1, end].
@@ -542,3 +575,13 @@ def test_the_phase_report_pools_the_windows_inside_each_runs_span():
     table = format_runs([(engine_name, engine), (server_name, server)])
     assert "| round 0 c=4 engine | 20 | 6.00 / 90.00 / 6 |" in table
     assert "| round 0 c=4 mlx_serve | 0 | - |" in table
+
+
+def test_the_device_touch_probe_measures_every_pattern():
+    from benchmarks.device_touch import measure, patterns
+
+    found = patterns(batch=4)
+    assert len(found) == 6
+    for fn in found.values():
+        wall, cpu, faults = measure(fn, calls=3)
+        assert wall > 0 and cpu >= 0 and faults >= 0

@@ -1,0 +1,77 @@
+"""Where a request's time to first token goes inside mlx_serve, request by request.
+
+Put this folder first on ``PYTHONPATH`` and set ``MLX_ADMISSION_PROBE_OUT=PATH``: the
+server then appends one line per request to ``PATH.<pid>`` when the request's first
+text leaves the runner, with three spans in milliseconds:
+
+1. submitted to the engine -> taken from its inbox by the actor;
+2. taken -> the batch step that admits it begins on the MLX thread;
+3. that step begins -> the runner has the request's first text (prefill, the steps to
+   the first token, and any token the detokenizer held back).
+
+The client's TTFT adds what comes before the submission (HTTP, parsing, tokenizing) and
+after (the event loop's fan-out, SSE). ``python -m benchmarks.admission_report PATH.*``
+prints percentiles. Each hook costs a dictionary write; the line is written once per
+request.
+"""
+
+import os
+
+_OUT = os.environ.get("MLX_ADMISSION_PROBE_OUT")
+
+
+def _install(out: str) -> None:
+    import time
+
+    from mlx_serve import engine, engine_step, open_requests
+    from mlx_serve.runner import batch
+
+    marks: dict[str, dict[str, float]] = {}
+    written: set[str] = set()
+    sink = open(f"{out}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115 - the process's life
+
+    def mark(request_id: str, key: str) -> None:
+        marks.setdefault(request_id, {}).setdefault(key, time.monotonic())
+
+    submit = engine.Engine.submit
+
+    def submitted(self, *requests, **kwargs):
+        for r in requests:
+            mark(r.request_id, "submitted")
+        return submit(self, *requests, **kwargs)
+
+    take = open_requests.OpenRequests.open
+
+    def taken(self, entry, draining):
+        mark(entry.request.request_id, "taken")
+        return take(self, entry, draining)
+
+    run = engine_step.EngineStep.run
+
+    def begun(self, runner):
+        for r in list(self.admissions):
+            mark(r.request_id, "begun")
+        return run(self, runner)
+
+    advance = batch.Runner._advance
+
+    def advanced(self, live, response):
+        delta = advance(self, live, response)
+        rid = live.request.request_id
+        if delta.text and rid not in written:
+            written.add(rid)
+            t = marks.pop(rid, {})
+            if len(t) == 3:
+                spans = (t["taken"] - t["submitted"], t["begun"] - t["taken"],
+                         time.monotonic() - t["begun"])
+                sink.write(" ".join(f"{s * 1e3:.3f}" for s in spans) + "\n")
+        return delta
+
+    engine.Engine.submit = submitted
+    open_requests.OpenRequests.open = taken
+    engine_step.EngineStep.run = begun
+    batch.Runner._advance = advanced
+
+
+if _OUT:
+    _install(_OUT)
