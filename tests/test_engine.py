@@ -150,6 +150,32 @@ async def test_request_arriving_during_a_step_joins_the_step_queued_behind_it(ti
         assert results[1].text == (await generate(engine, second_prompt, max_tokens=6)).text
 
 
+def test_a_late_arrival_joins_the_first_queued_step_not_begun():
+    """The MLX thread may have begun the step behind the awaited one before the event
+    loop saw the awaited one's outcome; the step after it still takes the newcomer."""
+    from types import SimpleNamespace
+
+    from mlx_serve.engine import Engine
+    from mlx_serve.engine_step import EngineStep
+
+    newcomer = make_request([1, 2, 3])
+    given: list = []
+    actor = SimpleNamespace(_can_pipeline=lambda: True, _take_admissions=lambda: [newcomer],
+                            _requests=SimpleNamespace(given=given.extend))
+    begun, next_one, last = (EngineStep(set(), [], []) for _ in range(3))
+    begun.run(SimpleNamespace(step=lambda admissions, cancellations: None))
+    Engine._admit_late(actor, [begun, next_one, last])  # type: ignore[arg-type]
+    assert begun.admissions == [] and last.admissions == []
+    assert next_one.admissions == [newcomer] and newcomer.request_id in next_one.in_step
+    assert given == [newcomer]
+    # With every queued step begun, the newcomer waits for the next step launched.
+    given.clear()
+    next_one.run(SimpleNamespace(step=lambda admissions, cancellations: None))
+    last.run(SimpleNamespace(step=lambda admissions, cancellations: None))
+    Engine._admit_late(actor, [begun, next_one, last])  # type: ignore[arg-type]
+    assert given == [] and last.admissions == []
+
+
 async def test_full_inbox_answers_at_once(tiny_model_dir):
     config = EngineConfig(max_running=1, max_queue=2)
     async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",

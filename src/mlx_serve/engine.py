@@ -199,7 +199,7 @@ class Engine:
                 inflight.append(self._launch_step())
             self._top_up(inflight)
             step = inflight.popleft()
-            outcome = await self._await_step(step, inflight[0] if inflight else None)
+            outcome = await self._await_step(step, inflight)
             if outcome is None:  # wedged or aborted, and dealt with: queued steps are moot
                 return
             # Finished requests leave first, so that queued ones can take their slots in
@@ -254,23 +254,29 @@ class Engine:
         step.outcome = outcome
         self._wake()
 
-    def _admit_late(self, queued: EngineStep) -> None:
-        """Hand requests that arrived meanwhile to the queued step, if it has not begun."""
+    def _admit_late(self, queued: Collection[EngineStep]) -> None:
+        """Hand requests that arrived meanwhile to the first queued step not begun.
+
+        The MLX thread may already have begun the step right behind the awaited one (it
+        goes on as soon as a step's own work is queued on the device, before the event
+        loop has seen that step's outcome); the step after it can still take them.
+        """
         if not self._can_pipeline():
             return
         admissions = self._take_admissions()
-        if admissions and queued.add_admissions(admissions):
+        if admissions and any(step.add_admissions(admissions) for step in queued):
             self._requests.given(admissions)
 
     def _can_pipeline(self) -> bool:
         """Queue a step behind the running one only in plain serving, with work left."""
         return bool(self._requests) and self._batch is None and not self._isolation.recovering
 
-    async def _await_step(self, step: EngineStep, queued: EngineStep | None) -> StepOutcome | None:
+    async def _await_step(self, step: EngineStep, queued: Collection[EngineStep]
+                          ) -> StepOutcome | None:
         """Wait for a step, never abandoning it; one past its deadline wedges the engine.
 
-        Requests arriving meanwhile join ``queued`` (the step behind it) while that has
-        not begun. Returns None when the engine wedged or was aborted meanwhile.
+        Requests arriving meanwhile join the first of ``queued`` (the steps behind it, in
+        order) not begun yet. Returns None when the engine wedged or was aborted meanwhile.
         """
         started = step.started or time.monotonic()  # not begun yet: its turn is now
         self._step_started = started
@@ -288,23 +294,23 @@ class Engine:
                 self._counts["prefill_steps"] += bool(step.outcome and step.outcome.prefilled)
 
     async def _done_or_aborted(self, step: EngineStep, deadline: float | None,
-                               queued: EngineStep | None = None) -> bool:
+                               queued: Collection[EngineStep] = ()) -> bool:
         """Wait for ``step`` up to ``deadline`` or until ``abort()``; True if it is done.
 
         The MLX thread cannot be interrupted, so an abort leaves the step running there
         and stops waiting for it: a stuck step can never hold up shutdown. With a
-        ``queued`` step, each arrival in the inbox is handed to it meanwhile.
+        ``queued`` step not begun, each arrival in the inbox is handed to it meanwhile.
         """
         assert self._wakeup is not None
         while True:
-            if self._arrived and queued is not None:
-                self._admit_late(queued)  # too late for it if it has begun; then the next
+            if self._arrived and queued:
+                self._admit_late(queued)  # to the first not begun; else the next launched
             self._arrived = False
             if step.outcome is not None:
                 return True
             if self._aborted or (deadline is not None and time.monotonic() >= deadline):
                 return False
-            self._wake_on_arrival = queued is not None and queued.started is None
+            self._wake_on_arrival = any(s.started is None for s in queued)
             try:
                 await self._wakeup.sleep(deadline)
             finally:
