@@ -162,16 +162,17 @@ def test_a_late_arrival_joins_the_first_queued_step_not_begun():
     given: list = []
     actor = SimpleNamespace(_can_pipeline=lambda: True, _take_admissions=lambda: [newcomer],
                             _requests=SimpleNamespace(given=given.extend))
+    runner = SimpleNamespace(step=lambda admissions, cancellations: None)
     begun, next_one, last = (EngineStep(set(), [], []) for _ in range(3))
-    begun.run(SimpleNamespace(step=lambda admissions, cancellations: None))
+    begun.run(runner)
     Engine._admit_late(actor, [begun, next_one, last])  # type: ignore[arg-type]
     assert begun.admissions == [] and last.admissions == []
     assert next_one.admissions == [newcomer] and newcomer.request_id in next_one.in_step
     assert given == [newcomer]
     # With every queued step begun, the newcomer waits for the next step launched.
     given.clear()
-    next_one.run(SimpleNamespace(step=lambda admissions, cancellations: None))
-    last.run(SimpleNamespace(step=lambda admissions, cancellations: None))
+    next_one.run(runner)
+    last.run(runner)
     Engine._admit_late(actor, [begun, next_one, last])  # type: ignore[arg-type]
     assert given == [] and last.admissions == []
 

@@ -255,12 +255,9 @@ class Engine:
         self._wake()
 
     def _admit_late(self, queued: Collection[EngineStep]) -> None:
-        """Hand requests that arrived meanwhile to the first queued step not begun.
-
-        The MLX thread may already have begun the step right behind the awaited one (it
-        goes on as soon as a step's own work is queued on the device, before the event
-        loop has seen that step's outcome); the step after it can still take them.
-        """
+        """Hand requests that arrived meanwhile to the first queued step not begun: the
+        MLX thread may have begun the one right behind the awaited step before the event
+        loop saw the awaited step's outcome, and the step after it can still take them."""
         if not self._can_pipeline():
             return
         admissions = self._take_admissions()
@@ -274,10 +271,8 @@ class Engine:
     async def _await_step(self, step: EngineStep, queued: Collection[EngineStep]
                           ) -> StepOutcome | None:
         """Wait for a step, never abandoning it; one past its deadline wedges the engine.
-
-        Requests arriving meanwhile join the first of ``queued`` (the steps behind it, in
-        order) not begun yet. Returns None when the engine wedged or was aborted meanwhile.
-        """
+        Arrivals meanwhile join the first of ``queued`` (the steps behind it) not begun.
+        Returns None when the engine wedged or was aborted meanwhile."""
         started = step.started or time.monotonic()  # not begun yet: its turn is now
         self._step_started = started
         try:
