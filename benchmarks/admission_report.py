@@ -10,8 +10,9 @@ admitting step begins, that step begins -> first text, in milliseconds.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
+
+from benchmarks.metrics import percentiles
 
 SPANS = ("submitted -> taken by the actor", "taken -> admitting step begins",
          "step begins -> first text")
@@ -22,17 +23,11 @@ def read_spans(paths: list[Path]) -> list[tuple[float, ...]]:
             for path in paths for line in path.read_text().splitlines() if line.strip()]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def format_spans(rows: list[tuple[float, ...]]) -> str:
     lines = [f"{len(rows)} requests, ms", "| span | p50 | p90 | mean |", "|---|---|---|---|"]
     for i, name in enumerate(SPANS):
-        values = [r[i] for r in rows]
-        lines.append(f"| {name} | {percentile(values, 0.5):.1f} | "
-                     f"{percentile(values, 0.9):.1f} | {statistics.mean(values):.1f} |")
+        p = percentiles([r[i] / 1e3 for r in rows])  # takes seconds, gives milliseconds
+        lines.append(f"| {name} | {p['p50']:.1f} | {p['p90']:.1f} | {p['mean']:.1f} |")
     return "\n".join(lines)
 
 

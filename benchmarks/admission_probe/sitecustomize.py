@@ -74,4 +74,9 @@ def _install(out: str) -> None:
 
 
 if _OUT:
-    _install(_OUT)
+    try:
+        _install(_OUT)
+    except Exception as exc:  # a probe must never stop the server it measures
+        import sys
+
+        print(f"admission probe not installed: {exc!r}", file=sys.stderr)

@@ -83,6 +83,16 @@ def one_array_step(self: Any) -> tuple[list[int], list[mx.array]]:
     return token_list, self._current_logprobs
 
 
+def mirrors_installed_mlx_lm(what: str) -> bool:
+    """Whether the installed mlx-lm is the release our copies of its code mirror; if not,
+    log that mlx-lm's own ``what`` stays (an override of other code could misbehave)."""
+    if mlx_lm.__version__ == MIRRORED_RELEASE:
+        return True
+    log.warning("mlx-lm %s: keeping its own %s (mlx_serve's mirrors mlx-lm %s)",
+                mlx_lm.__version__, what, MIRRORED_RELEASE)
+    return False
+
+
 def use_one_array_step(batch_generator: Any) -> bool:
     """Make ``batch_generator``'s decode batch step with ``one_array_step``.
 
@@ -90,9 +100,7 @@ def use_one_array_step(batch_generator: Any) -> bool:
     so one override per generator is enough. With an mlx-lm this step does not mirror,
     the stock step stays; returns whether the override is in place.
     """
-    if mlx_lm.__version__ != MIRRORED_RELEASE:
-        log.warning("mlx-lm %s: keeping its own decode step (the one-array step mirrors %s)",
-                    mlx_lm.__version__, MIRRORED_RELEASE)
+    if not mirrors_installed_mlx_lm("decode step"):
         return False
     batch = batch_generator._generation_batch
     batch._step = MethodType(one_array_step, batch)

@@ -17,16 +17,12 @@ the outputs with mlx-lm's own schedule.
 
 from __future__ import annotations
 
-import logging
 from types import MethodType
 from typing import Any
 
-import mlx_lm
 from mlx_lm.generate import PromptProcessingBatch
 
-from mlx_serve.runner.decode_step import MIRRORED_RELEASE
-
-log = logging.getLogger(__name__)
+from mlx_serve.runner.decode_step import mirrors_installed_mlx_lm
 
 
 def move_prefilled(self: Any, prompt_responses: list[Any]) -> None:
@@ -64,9 +60,7 @@ def use_early_split(batch_generator: Any) -> bool:
     With an mlx-lm whose ``_next`` this does not mirror, its own schedule stays;
     returns whether the change is in place.
     """
-    if mlx_lm.__version__ != MIRRORED_RELEASE:
-        log.warning("mlx-lm %s: keeping its own prefill schedule (the early move mirrors %s)",
-                    mlx_lm.__version__, MIRRORED_RELEASE)
+    if not mirrors_installed_mlx_lm("prefill schedule"):
         return False
     batch_generator._next = MethodType(_next_with_early_split, batch_generator)
     return True
