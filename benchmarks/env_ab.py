@@ -1,7 +1,8 @@
 """mlx_serve against itself under different environments, interleaved: one knob's effect.
 
 Starts one mlx_serve per variant on 127.0.0.1 (same model and batch settings, each with
-its own extra environment variables), warms each with one burst, then for each round
+its own extra environment variables), warms each with one burst and one unmeasured run
+of the measured shape (``--no-warm-run`` to skip it), then for each round
 and concurrency runs every variant on the same fresh prompts, in an order rotated every
 round, and prints each run and, per concurrency, every variant's output tokens/s, TTFT
 p50 and TPOT p50 relative to the first variant (median [min-max] over rounds). With
@@ -107,6 +108,27 @@ def _name(env: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in env.items()) or "-"
 
 
+def _workload(args: argparse.Namespace, conc: int, seed: int) -> Workload:
+    count = max(args.min_requests, args.requests_per_stream * conc)
+    return Workload(args.prompt_tokens, args.output_tokens, count, conc, seed, None,
+                    args.run_time_limit)
+
+
+def warm_runs(args: argparse.Namespace, tokenizer: Any,
+              servers: dict[str, ServerProcess]) -> None:
+    """One unmeasured run per server, the measured shape at the top concurrency: a
+    process's first rounds are its slow ones (page faults, new batch shapes)."""
+    workload = _workload(args, max(args.concurrency), 777_777)
+    prompts = build_prompts(tokenizer, workload.num_requests, args.prompt_tokens,
+                            workload.seed)
+    for name, server in servers.items():
+        summary = measured_load(server, Target(server.base_url, request_timeout=60.0),
+                                workload, prompts)["summary"]
+        print(f"warm run {name} (not counted): {summary['completed']} ok, "
+              f"{summary['failed']} failed, {summary['output_throughput']:.1f} tok/s",
+              flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="env-ab-", dir=RESULTS_DIR))
@@ -119,12 +141,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # With --isolate each server runs alone, started for its run: one MLX process
         # holds the device at a time.
         servers = {} if args.isolate else variants.start(names, stack)
+        if args.warm_run and not args.isolate:  # isolated runs start every server afresh
+            warm_runs(args, tokenizer, servers)
         for rnd in range(args.rounds):
             for conc in args.concurrency:
-                count = max(args.min_requests, args.requests_per_stream * conc)
-                workload = Workload(args.prompt_tokens, args.output_tokens, count, conc,
-                                    1000 * rnd + conc, None, args.run_time_limit)
-                prompts = build_prompts(tokenizer, count, args.prompt_tokens, workload.seed)
+                workload = _workload(args, conc, 1000 * rnd + conc)
+                prompts = build_prompts(tokenizer, workload.num_requests, args.prompt_tokens,
+                                        workload.seed)
                 for name in rotated(tuple(names), rnd):
                     with contextlib.ExitStack() as alone:
                         server = (variants.start([name], alone)[name] if args.isolate
@@ -171,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--stalls, and each stall logs where it happened (in the server logs)")
     p.add_argument("--isolate", action="store_true",
                    help="start each server for its own run only (one MLX process at a time)")
+    p.add_argument("--warm-run", action=argparse.BooleanOptionalAction, default=True,
+                   help="one unmeasured run per server before round 0, the measured shape "
+                        "at the largest concurrency (default on; off with --isolate)")
     p.add_argument("--out", default=None, help="results JSON")
     return p
 

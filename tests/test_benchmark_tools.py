@@ -215,6 +215,23 @@ def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatc
         assert r["summary"]["cpu_ms_per_token_by_thread"]["stepping"] > 0
 
 
+def test_env_ab_warms_each_shared_server_with_one_uncounted_run(tiny_model_dir, tmp_path,
+                                                               monkeypatch, capsys):
+    from benchmarks import env_ab
+
+    monkeypatch.setattr(env_ab, "RESULTS_DIR", tmp_path)
+    args = env_ab.build_parser().parse_args([
+        "--model", str(tiny_model_dir), "--variant", "-",
+        "--variant", "MLX_SERVE_STREAM_INTERVAL=4", "--concurrency", "2", "--rounds", "1",
+        "--prompt-tokens", "16", "--output-tokens", "8", "--min-requests", "2",
+        "--requests-per-stream", "1", "--decode-batch-size", "8", "--run-time-limit", "60"])
+    report = env_ab.run(args)
+    out = capsys.readouterr().out
+    assert out.count("warm run - (not counted): 2 ok, 0 failed") == 1
+    assert out.count("warm run MLX_SERVE_STREAM_INTERVAL=4 (not counted): 2 ok, 0 failed") == 1
+    assert [r["summary"]["completed"] for r in report["runs"]] == [2, 2]  # warm runs left out
+
+
 def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_model_dir):
     from benchmarks.lock_probe import probe
 
@@ -527,7 +544,7 @@ def test_the_admission_probe_splits_each_requests_first_token_in_a_real_server(
         tiny_model_dir, tmp_path):
     import httpx
 
-    from benchmarks.admission_report import format_spans, read_spans
+    from benchmarks.admission_report import by_run, format_runs, format_spans, read_spans
     from tests.server_process import ServerProcess
 
     root = Path(__file__).resolve().parents[1]
@@ -537,6 +554,7 @@ def test_the_admission_probe_splits_each_requests_first_token_in_a_real_server(
     server = ServerProcess(tiny_model_dir, tmp_path / "server.log", env=env)
     try:
         server.wait_ready()
+        started = time.time()
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             for n in range(3):
                 with client.stream("POST", "/v1/completions", json={
@@ -550,8 +568,14 @@ def test_the_admission_probe_splits_each_requests_first_token_in_a_real_server(
     rows = read_spans([path])
     # One line per request that produced text: the tiny model's greedy 8 tokens do.
     assert len(rows) == 3
-    assert all(len(r) == 3 and all(span >= 0 for span in r) for r in rows)
+    assert all(len(r) == 4 and all(span >= 0 for span in r[:3]) for r in rows)
     assert "| taken -> admitting step begins |" in format_spans(rows)
+    # Each request's submission time places it inside the run that sent it.
+    results = {"runs": [{"round": 0, "concurrency": 1, "target": "mlx_serve", "result": {
+        "summary": {"span": [started, time.time()]}}}]}
+    ((name, inside),) = by_run(results, rows)
+    assert len(inside) == 3 and name == "round 0 c=1 mlx_serve"
+    assert "| round 0 c=1 mlx_serve | 3 |" in format_runs(by_run(results, rows))
 
 
 def test_the_phase_report_pools_the_windows_inside_each_runs_span():

@@ -2,7 +2,8 @@
 
 Put this folder first on ``PYTHONPATH`` and set ``MLX_ADMISSION_PROBE_OUT=PATH``: the
 server then appends one line per request to ``PATH.<pid>`` when the request's first
-text leaves the runner, with three spans in milliseconds:
+text leaves the runner: three spans in milliseconds, then when the request was submitted
+(epoch seconds, so that ``--runs`` can match it to a measured run):
 
 1. submitted to the engine -> taken from its inbox by the actor;
 2. taken -> the batch step that admits it begins on the MLX thread;
@@ -38,6 +39,7 @@ def _install(out: str) -> None:
     def submitted(self, *requests, **kwargs):
         for r in requests:
             mark(r.request_id, "submitted")
+            marks[r.request_id].setdefault("wall", time.time())
         return submit(self, *requests, **kwargs)
 
     take = open_requests.OpenRequests.open
@@ -61,10 +63,11 @@ def _install(out: str) -> None:
         if delta.text and rid not in written:
             written.add(rid)
             t = marks.pop(rid, {})
-            if len(t) == 3:
+            if len(t) == 4:
                 spans = (t["taken"] - t["submitted"], t["begun"] - t["taken"],
                          time.monotonic() - t["begun"])
-                sink.write(" ".join(f"{s * 1e3:.3f}" for s in spans) + "\n")
+                sink.write(" ".join(f"{s * 1e3:.3f}" for s in spans)
+                           + f" {t['wall']:.3f}\n")
         return delta
 
     engine.Engine.submit = submitted
