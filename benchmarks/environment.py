@@ -82,8 +82,9 @@ def describe(argv: list[str], model_path: str, module: str = "benchmarks.ab"
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                     "platform": platform.platform(), "python": platform.python_version(),
                     "mlx_device": _mlx_device()},
+        # httptools and uvloop: what uvicorn serves with (h11 and asyncio without them).
         "versions": {p: _version(p) for p in ("mlx", "mlx-lm", "mlx-serve", "uvicorn",
-                                              "starlette", "httpx")},
+                                              "httptools", "uvloop", "starlette", "httpx")},
         "git_commit": _git_commit(),
         "git_dirty": _git_dirty(),
         "source_digest": source_digest(),

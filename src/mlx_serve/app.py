@@ -26,6 +26,7 @@ from mlx_serve.engine_setup import (
 )
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.http_errors import EXCEPTION_HANDLERS
+from mlx_serve.http_stack import log_http_stack
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import DEFAULT_MODEL_ID
 from mlx_serve.remote_engine import RemoteEngine
@@ -79,6 +80,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        log_http_stack()
         mlx: MLXThread | None = None
         engine: Engine | RemoteEngine
         if settings.engine_process:  # the engine and its MLX thread run in a child
