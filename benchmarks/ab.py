@@ -243,6 +243,8 @@ def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str],
                               "config": asdict(config), "openblas": native.openblas,
                               "jemalloc": native.jemalloc,
                               "workdir": str(workdir)}
+    if warning := environment.http_parser_warning(report["meta"]):
+        print(warning, file=sys.stderr)
     runner: ABRunner | None = None
     try:
         with contextlib.ExitStack() as stack:  # stops every started server, always

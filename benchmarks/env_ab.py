@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import environment
 from benchmarks.ab import RESULTS_DIR
 from benchmarks.contenders import resolve_model_path, resolve_native, rotated
 from benchmarks.host import describe
@@ -136,6 +137,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(model)
     variants = _Variants(args, model, workdir, resolve_native("auto", "auto"), tokenizer)
     names = [_name(env) for env in args.variant]
+    meta = environment.describe(sys.argv[1:], model, "benchmarks.env_ab")
+    if warning := environment.http_parser_warning(meta):
+        print(warning, file=sys.stderr)
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:  # stops every started server, always
         # With --isolate each server runs alone, started for its run: one MLX process
@@ -168,7 +172,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{describe_stalls(summary.get('stalls'))}",
                           flush=True)
     print(relative_table(runs, names))
-    return {"argv": sys.argv[1:], "model": model, "variants": names, "runs": runs}
+    return {"meta": meta, "argv": sys.argv[1:], "model": model, "variants": names,
+            "runs": runs}
 
 
 def build_parser() -> argparse.ArgumentParser:

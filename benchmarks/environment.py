@@ -89,3 +89,11 @@ def describe(argv: list[str], model_path: str, module: str = "benchmarks.ab"
         "git_dirty": _git_dirty(),
         "source_digest": source_digest(),
     }
+
+
+def http_parser_warning(meta: dict[str, Any]) -> str | None:
+    """A warning when mlx_serve will parse HTTP with h11 here (see ``describe``)."""
+    if meta["versions"].get("httptools") is not None:
+        return None
+    return ("warning: httptools is not installed here, so mlx_serve's uvicorn parses HTTP "
+            "with h11 (pure Python), unlike an install of mlx-serve from PyPI")

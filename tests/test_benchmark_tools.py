@@ -230,6 +230,16 @@ def test_env_ab_warms_each_shared_server_with_one_uncounted_run(tiny_model_dir, 
     assert out.count("warm run - (not counted): 2 ok, 0 failed") == 1
     assert out.count("warm run MLX_SERVE_STREAM_INTERVAL=4 (not counted): 2 ok, 0 failed") == 1
     assert [r["summary"]["completed"] for r in report["runs"]] == [2, 2]  # warm runs left out
+    # The results say what the servers parsed HTTP with (h11 without httptools).
+    assert report["meta"]["versions"]["httptools"] is not None
+    assert "uvloop" in report["meta"]["versions"]
+
+
+def test_a_host_without_httptools_is_warned_about():
+    from benchmarks.environment import http_parser_warning
+
+    assert http_parser_warning({"versions": {"httptools": "0.9.0"}}) is None
+    assert "h11" in (http_parser_warning({"versions": {"httptools": None}}) or "")
 
 
 def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_model_dir):
