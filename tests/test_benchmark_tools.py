@@ -242,6 +242,21 @@ def test_a_host_without_httptools_is_warned_about():
     assert "h11" in (http_parser_warning({"versions": {"httptools": None}}) or "")
 
 
+def test_the_live_buffer_probe_decodes_beside_held_and_churning_buffers(tiny_model_dir):
+    from benchmarks.live_buffers import HeldBuffers, probe
+
+    rows = probe(str(tiny_model_dir), [0, 4], buffer_bytes=4096, batch=2, steps=5, churn=1)
+    assert [(r["pass"], r["buffers"]) for r in rows] == [
+        ("up", 0), ("up", 4), ("down", 4), ("down", 0)]
+    assert all(r["cpu_ms_per_step"] > 0 and r["wall_ms_per_step"] > 0 for r in rows)
+    held = HeldBuffers(4096)
+    held.resize(3)
+    first = held.arrays[0]
+    held.replace(2)  # the two oldest freed, two new ones made
+    assert len(held.arrays) == 3 and all(a is not first for a in held.arrays)
+    assert len({id(a) for a in held.arrays}) == 3
+
+
 def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_model_dir):
     from benchmarks.lock_probe import probe
 
