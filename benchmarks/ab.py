@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import environment
-from benchmarks.contenders import resolve_model_path, resolve_native, rotated
+from benchmarks.contenders import (
+    resolve_model_path,
+    resolve_native,
+    rotated,
+    warm_run_line,
+)
 from benchmarks.engine_worker import EngineWorker, harness_command, run_fresh
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.memory import rss_run
@@ -132,9 +137,7 @@ class ABRunner:
         prompts, warmup = self.prompts(workload)
         for name in cfg.targets:
             summary = self.run_one(name, workload, prompts, warmup)["summary"]
-            print(f"warm run {name} (not counted): {summary['completed']} ok, "
-                  f"{summary['failed']} failed, {summary['output_throughput']:.1f} tok/s",
-                  flush=True)
+            print(warm_run_line(name, summary), flush=True)
 
     def run_one(self, name: str, workload: Workload, prompts: list[str],
                 warmup: list[str]) -> dict[str, Any]:

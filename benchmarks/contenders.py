@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from benchmarks.servers import NativeLibs
 from mlx_serve.preload import find_jemalloc, find_openblas
@@ -47,3 +48,9 @@ def rotated(targets: tuple[str, ...], rnd: int) -> tuple[str, ...]:
     """
     k = rnd % len(targets)
     return targets[k:] + targets[:k]
+
+
+def warm_run_line(name: str, summary: dict[str, Any]) -> str:
+    """What a warm run (unmeasured, before round 0) did, for the log."""
+    return (f"warm run {name} (not counted): {summary['completed']} ok, "
+            f"{summary['failed']} failed, {summary['output_throughput']:.1f} tok/s")

@@ -31,7 +31,12 @@ from typing import Any
 
 from benchmarks import environment
 from benchmarks.ab import RESULTS_DIR
-from benchmarks.contenders import resolve_model_path, resolve_native, rotated
+from benchmarks.contenders import (
+    resolve_model_path,
+    resolve_native,
+    rotated,
+    warm_run_line,
+)
 from benchmarks.host import describe
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency
@@ -125,9 +130,7 @@ def warm_runs(args: argparse.Namespace, tokenizer: Any,
     for name, server in servers.items():
         summary = measured_load(server, Target(server.base_url, request_timeout=60.0),
                                 workload, prompts)["summary"]
-        print(f"warm run {name} (not counted): {summary['completed']} ok, "
-              f"{summary['failed']} failed, {summary['output_throughput']:.1f} tok/s",
-              flush=True)
+        print(warm_run_line(name, summary), flush=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -23,6 +23,8 @@ import json
 import time
 from typing import Any
 
+from benchmarks.lock_probe import decoding_batch
+
 EVAL_CHUNK = 256  # buffers made per evaluation: a small graph each time
 
 
@@ -59,12 +61,7 @@ class HeldBuffers:
 def decode(model: Any, held: HeldBuffers, batch: int, steps: int, prompt_tokens: int,
            churn: int) -> tuple[float, float]:
     """(thread CPU ms, wall ms) per decode step, over ``steps`` steps after the first."""
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=8,
-                         prefill_step_size=2048)
-    prompts = [[(i * 7 + j) % 1000 + 10 for j in range(prompt_tokens)] for i in range(batch)]
-    gen.insert(prompts, max_tokens=[steps + 8] * batch)
+    gen = decoding_batch(model, batch, steps, prompt_tokens)
     done, cpu0, wall0 = 0, 0.0, 0.0
     try:
         while done <= steps:

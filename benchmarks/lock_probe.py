@@ -66,14 +66,21 @@ class _AsyncEvalTimer:
         self.counts += self._spinner.count - count
 
 
-def _decode(model: Any, spinner: Spinner, timer: _AsyncEvalTimer, solo: float, batch: int,
-            steps: int, prompt_tokens: int, spin: bool) -> dict[str, Any]:
+def decoding_batch(model: Any, batch: int, steps: int, prompt_tokens: int) -> Any:
+    """mlx-lm's ``BatchGenerator`` with ``batch`` fixed prompts inserted, each allowed a
+    few more tokens than ``steps``: decode steps to time once their prefill is done."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=8,
                          prefill_step_size=2048)
     prompts = [[(i * 7 + j) % 1000 + 10 for j in range(prompt_tokens)] for i in range(batch)]
     gen.insert(prompts, max_tokens=[steps + 8] * batch)
+    return gen
+
+
+def _decode(model: Any, spinner: Spinner, timer: _AsyncEvalTimer, solo: float, batch: int,
+            steps: int, prompt_tokens: int, spin: bool) -> dict[str, Any]:
+    gen = decoding_batch(model, batch, steps, prompt_tokens)
     done, started, counted = 0, 0.0, 0
     while done < steps:
         prompted, generated = gen.next()
