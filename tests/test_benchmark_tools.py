@@ -257,6 +257,23 @@ def test_the_live_buffer_probe_decodes_beside_held_and_churning_buffers(tiny_mod
     assert len({id(a) for a in held.arrays}) == 3
 
 
+def test_the_prefill_probe_times_the_forward_pass_and_the_newcomers_way_to_a_token(
+        tiny_model_dir, tmp_path):
+    from benchmarks import prefill_step
+
+    out = tmp_path / "prefill.json"
+    assert prefill_step.main(["--model", str(tiny_model_dir), "--prompts", "3", "--tokens", "6",
+                              "--decoding", "2", "--rounds", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["prompts"], result["decoding"], result["rounds"]) == (3, 2, 2)
+    # mlx-lm's schedule: a call that prefills, then more until the first tokens appear.
+    assert result["calls_to_first_tokens"] >= 2
+    for part in ("forward", "admitting_step", "to_first_tokens", "decode_step"):
+        assert 0 < result[part]["wall_ms_min"] <= result[part]["wall_ms_p50"]
+    # The calls up to the first tokens include the admitting one.
+    assert result["to_first_tokens"]["wall_ms_p50"] >= result["admitting_step"]["wall_ms_min"]
+
+
 def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_model_dir):
     from benchmarks.lock_probe import probe
 
