@@ -577,6 +577,16 @@ def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_d
         # The inner phases are inside the step: none takes longer than it.
         assert all(p["wall_ms"] <= step["wall_ms"] + 0.01 for p in w["phases"].values()
                    if p["calls"] <= 1)
+    # Every step is either one that prefilled or a decode-only one; the first window
+    # has the prefills of the first prompts, and the two kinds add up to all steps.
+    for w in windows:
+        none = {"calls": 0.0, "wall_ms": 0.0}
+        kinds = [w["phases"].get(f"BatchGenerator._next ({k})", none)
+                 for k in ("prefilled", "decode only")]
+        whole = w["phases"]["BatchGenerator._next"]
+        assert abs(sum(k["calls"] for k in kinds) - 1.0) < 1e-6
+        assert abs(sum(k["wall_ms"] for k in kinds) - whole["wall_ms"]) < 0.01
+    assert windows[0]["phases"]["BatchGenerator._next (prefilled)"]["calls"] > 0
     # The decode step ran as mlx_serve's one-array step, bound to the harness's batch.
     assert any("GenerationBatch._step (one array)" in w["phases"] for w in windows)
     assert "BatchGenerator._next" in format_windows(windows)

@@ -5,7 +5,8 @@ Put this folder first on ``PYTHONPATH`` and set ``MLX_PHASE_PROBE_OUT=PATH``: th
 runner phases, and every ``MLX_PHASE_PROBE_EVERY`` (default 200) batch steps appends one
 JSON line to ``PATH.<pid>``: per batch step, each phase's calls, thread CPU ms, wall ms
 and minor page faults (``getrusage(RUSAGE_THREAD)``), inclusive of the phases inside it.
-``python -m benchmarks.phase_report PATH.*`` prints them. Each wrapped call costs a few
+The whole step is also split into the steps that prefilled prompts and the decode-only
+ones. ``python -m benchmarks.phase_report PATH.*`` prints them. Each wrapped call costs a few
 microseconds: fine beside steps of milliseconds, visible on a tiny model's.
 """
 
@@ -65,13 +66,31 @@ def _install(out: str) -> None:
         for name in ("store", "lookup"):
             wrap(prefix.PrefixCache, name, f"PrefixCache.{name}")
 
+    # Steps that prefilled prompts apart from decode-only ones: mlx-lm calls ``prompt``
+    # in every step, with no tokens when no prompt waits.
+    prefilled = [False]
+    prompting = gen.PromptProcessingBatch.prompt
+
+    def flagged_prompt(self, tokens, *args, **kwargs):
+        prefilled[0] = prefilled[0] or bool(tokens)
+        return prompting(self, tokens, *args, **kwargs)
+
+    gen.PromptProcessingBatch.prompt = flagged_prompt
+
     every = int(os.environ.get("MLX_PHASE_PROBE_EVERY", "200"))
     seen: dict[str, list[int]] = {}
     clock = [time.time()]
     stepping = gen.BatchGenerator._next
 
     def counted_next(self, *args, **kwargs):
+        prefilled[0] = False
+        before = list(totals.get("BatchGenerator._next", (0, 0, 0, 0)))
         result = stepping(self, *args, **kwargs)
+        kind = "prefilled" if prefilled[0] else "decode only"
+        split = totals.setdefault(f"BatchGenerator._next ({kind})", [0, 0, 0, 0])
+        for i, (after, was) in enumerate(zip(totals["BatchGenerator._next"], before,
+                                             strict=True)):
+            split[i] += after - was
         steps = totals["BatchGenerator._next"][0] - seen.get("BatchGenerator._next", [0])[0]
         if steps >= every:
             now = time.time()
