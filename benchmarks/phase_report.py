@@ -4,7 +4,8 @@
     python -m benchmarks.phase_report --runs benchmarks/results/ab-....json /tmp/phases.*
 
 Each window row is one window of batch steps; each cell a phase's thread CPU ms / wall
-ms / minor faults per batch step (inclusive of the phases inside it). With ``--runs``
+ms / minor faults per batch step (inclusive of the phases inside it), and its calls per
+step where that is not one. With ``--runs``
 (an ``ab`` or ``env_ab`` results file), the windows that fall inside each measured run's
 span are pooled into one row per run, whichever process wrote them (the contenders run
 one at a time); use short windows (``MLX_PHASE_PROBE_EVERY=20``) so that few straddle a
@@ -25,7 +26,12 @@ def read_windows(path: Path) -> list[dict[str, Any]]:
 
 
 def _cell(p: dict[str, Any] | None) -> str:
-    return "-" if p is None else f"{p['cpu_ms']:.2f} / {p['wall_ms']:.2f} / {p['faults']:.0f}"
+    if p is None:
+        return "-"
+    cell = f"{p['cpu_ms']:.2f} / {p['wall_ms']:.2f} / {p['faults']:.0f}"
+    # A phase not called exactly once a step says how often it was: a figure over that
+    # is what one call costs (e.g. one step that prefilled).
+    return cell if abs(p["calls"] - 1.0) < 0.005 else f"{cell} ({p['calls']:.2f} calls)"
 
 
 def format_windows(windows: list[dict[str, Any]]) -> str:

@@ -635,7 +635,10 @@ def test_the_phase_report_pools_the_windows_inside_each_runs_span():
         # 10 steps of 100 ms: the window covers [end - 1, end].
         return {"time": end, "steps": 10, "wall_ms_per_step": 100.0,
                 "phases": {"BatchGenerator._next": {"calls": 1.0, "cpu_ms": cpu,
-                                                    "wall_ms": 90.0, "faults": cpu}}}
+                                                    "wall_ms": 90.0, "faults": cpu},
+                           "BatchGenerator._next (prefilled)": {
+                               "calls": 0.25, "cpu_ms": cpu / 2, "wall_ms": 45.0,
+                               "faults": 0.0}}}
 
     windows = [window(101.0, 5.0), window(102.0, 7.0), window(103.5, 9.0), window(110.0, 1.0)]
     results = {"runs": [
@@ -649,7 +652,8 @@ def test_the_phase_report_pools_the_windows_inside_each_runs_span():
     assert engine["phases"]["BatchGenerator._next"]["cpu_ms"] == pytest.approx(6.0)
     assert server is None
     table = format_runs([(engine_name, engine), (server_name, server)])
-    assert "| round 0 c=4 engine | 20 | 6.00 / 90.00 / 6 |" in table
+    # Columns in label order; a phase called less than once a step says how often.
+    assert "| round 0 c=4 engine | 20 | 6.00 / 90.00 / 6 | 3.00 / 45.00 / 0 (0.25 calls) |" in table
     assert "| round 0 c=4 mlx_serve | 0 | - |" in table
 
 
