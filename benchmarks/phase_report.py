@@ -5,11 +5,10 @@
 
 Each window row is one window of batch steps; each cell a phase's thread CPU ms / wall
 ms / minor faults per batch step (inclusive of the phases inside it), and its calls per
-step where that is not one. With ``--runs``
-(an ``ab`` or ``env_ab`` results file), the windows that fall inside each measured run's
-span are pooled into one row per run, whichever process wrote them (the contenders run
-one at a time); use short windows (``MLX_PHASE_PROBE_EVERY=20``) so that few straddle a
-run's edges, which are left out.
+step where that is not one. With ``--runs`` (an ``ab`` or ``env_ab`` results file), the
+windows that fall inside each measured run's span are pooled into one row per run,
+whichever process wrote them (the contenders run one at a time); use short windows
+(``MLX_PHASE_PROBE_EVERY=20``) so that few straddle a run's edges, which are left out.
 """
 
 from __future__ import annotations

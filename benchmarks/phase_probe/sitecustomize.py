@@ -6,8 +6,8 @@ runner phases, and every ``MLX_PHASE_PROBE_EVERY`` (default 200) batch steps app
 JSON line to ``PATH.<pid>``: per batch step, each phase's calls, thread CPU ms, wall ms
 and minor page faults (``getrusage(RUSAGE_THREAD)``), inclusive of the phases inside it.
 The whole step is also split into the steps that prefilled prompts and the decode-only
-ones. ``python -m benchmarks.phase_report PATH.*`` prints them. Each wrapped call costs a few
-microseconds: fine beside steps of milliseconds, visible on a tiny model's.
+ones. ``python -m benchmarks.phase_report PATH.*`` prints them. Each wrapped call costs a
+few microseconds: fine beside steps of milliseconds, visible on a tiny model's.
 """
 
 import os
