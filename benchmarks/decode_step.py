@@ -19,6 +19,15 @@ import time
 from typing import Any
 
 
+def step_until_all_decode(gen: Any, count: int) -> None:
+    """Step ``gen`` through its prefills until one step gives each of its ``count``
+    sequences a token; bounded, so a batch that never fills raises."""
+    for _ in range(2 * count + 64):
+        if len(gen.next()[1]) == count:
+            return
+    raise RuntimeError(f"the batch of {count} sequences never filled")
+
+
 def time_steps(model: Any, batch: int, steps: int, one_array: bool,
                vocab: int) -> dict[str, Any]:
     """Decode ``steps`` steps of a full batch; ms per step (wall, thread CPU), tokens."""
@@ -39,11 +48,7 @@ def time_steps(model: Any, batch: int, steps: int, one_array: bool,
                stop_sequences=[StopSequences([])] * batch)
     tokens: list[list[int]] = []
     try:
-        for _ in range(batch + 64):  # prefill, until every sequence decodes
-            if len(gen.next()[1]) == batch:
-                break
-        else:
-            raise RuntimeError("the batch never filled")
+        step_until_all_decode(gen, batch)
         wall, cpu = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             tokens.append([r.token for r in gen.next()[1]])

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.decode_step import step_until_all_decode
+
 
 def _timed(call: Callable[[], Any]) -> tuple[float, float]:
     """(wall ms, thread CPU ms) of one call."""
@@ -78,11 +80,7 @@ def time_admitting_step(model: Any, prompts: int, tokens: int, decoding: int, se
     try:
         if decoding:
             gen.insert(_prompts(decoding, tokens, seed + 1, vocab), max_tokens=[1 << 20] * decoding)
-            for _ in range(2 * decoding + 16):  # until every sequence decodes
-                if len(gen.next()[1]) == decoding:
-                    break
-            else:
-                raise RuntimeError("the decoding batch never filled")
+            step_until_all_decode(gen, decoding)
         decode = sorted(_timed(gen.next) for _ in range(5))
         waiting = set(gen.insert(_prompts(prompts, tokens, seed, vocab),
                                  max_tokens=[1 << 20] * prompts))
