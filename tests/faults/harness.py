@@ -22,6 +22,8 @@ import openai
 from tests.server_process import ServerProcess
 
 CLIENT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)  # no request in this suite may take longer
+# The same for the openai SDK, in its own type: newer releases run on httpx2, not httpx.
+SDK_TIMEOUT = openai.Timeout(30.0, connect=5.0)
 POLL_S = 0.01  # condition polling interval
 MALLOC = "[metal::malloc] Resource limit (499000) exceeded"
 # Holds every step at the first one until a test replaces the rule over HTTP (which
@@ -117,7 +119,7 @@ def http_client(server: ServerProcess, timeout: httpx.Timeout = CLIENT_TIMEOUT
 def sdk_client(server: ServerProcess) -> openai.AsyncOpenAI:
     # No retries: a retried 5xx would hide exactly what these tests look for.
     return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused",
-                              max_retries=0, timeout=CLIENT_TIMEOUT)
+                              max_retries=0, timeout=SDK_TIMEOUT)
 
 
 async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any], *,
