@@ -1,5 +1,6 @@
 """The only place that touches MLX at serving time: model, tokenizer and batch steps."""
 
-from mlx_serve.runner.batch import BatchLimits, Runner, load_runner
+from mlx_serve.runner.batch import BatchLimits, Runner
+from mlx_serve.runner.loading import load_runner
 
 __all__ = ["BatchLimits", "Runner", "load_runner"]
