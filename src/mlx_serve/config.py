@@ -80,7 +80,8 @@ class Settings(BaseSettings):
     early_decode_join: bool = Field(
         True,
         description="move each prompt into the decode batch in the step that finished its "
-                    "prefill, a step sooner than mlx-lm does (first tokens a step sooner)",
+                    "prefill, a step sooner than mlx-lm does, and send its first token from "
+                    "that step (first tokens two steps sooner; the same tokens)",
     )
     max_n: int = Field(16, ge=1, le=128, description="most choices (n x prompts) per request")
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] = Field(

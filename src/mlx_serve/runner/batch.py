@@ -12,7 +12,7 @@ import secrets
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machine
@@ -21,7 +21,7 @@ from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Delta, GenerationRequest, StepOutcome
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
-from mlx_serve.runner.early_split import use_early_split
+from mlx_serve.runner.early_split import take_first_tokens, use_early_split
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
@@ -45,7 +45,8 @@ class BatchLimits:
 class _Live:
     """One request the runner is generating for (in the batch, or parked)."""
 
-    __slots__ = ("request", "text", "generated", "uid", "cached_tokens", "prefilled")
+    __slots__ = ("request", "text", "generated", "uid", "cached_tokens", "prefilled",
+                 "sent_ahead")
 
     def __init__(self, request: GenerationRequest, text: TextPipeline) -> None:
         self.request = request
@@ -54,6 +55,9 @@ class _Live:
         self.uid: int | None = None
         self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache
         self.prefilled = False
+        # Its first token went out in the step that prefilled it: the batch hands that
+        # token back once more, in the next step, where it is not counted again.
+        self.sent_ahead = False
 
     @property
     def remaining(self) -> int:
@@ -124,27 +128,46 @@ class Runner:
             if self._failpoints:  # the users set is built only when fail points exist
                 self._failpoints.check("engine.step", self._users())
             prompt_responses, responses = self._batch.next()
+            first_tokens = take_first_tokens(self._batch)
             if self._failpoints:
                 self._failpoints.check("engine.detokenize", self._users())
             self._release_waiting(prompt_responses)
         except Exception as exc:
             self._broken = True
             return StepOutcome(failed=tuple(failed), error=exc, ran_batch=True)
-        deltas = []
+        deltas: list[tuple[str, Delta]] = []
         for r in responses:
             live = self._by_uid.get(r.uid)
-            if live is None:
-                continue
-            try:
-                deltas.append((live.request.request_id, self._advance(live, r)))
-            except Exception as exc:  # one request's text fault fails that request only
-                self._remove([live.request.request_id])
-                failed.append((live.request.request_id, exc))
+            if live is not None:
+                self._advance_or_fail(live, r, deltas, failed)
+        for uid, token in first_tokens.items():
+            live = self._by_uid.get(uid)
+            if live is not None and self._may_send_ahead(live, token):
+                self._advance_or_fail(live, _FirstToken(uid, token), deltas, failed)
+                live.sent_ahead = live.uid in self._by_uid  # unless a stop string ended it
         # Sampled every so often, and when the batch empties so that idle figures settle.
         if not self._by_uid or time.monotonic() - self._memory_sampled >= MEMORY_SAMPLE_INTERVAL_S:
             self._sample_memory()
         return StepOutcome(deltas=tuple(deltas), failed=tuple(failed), ran_batch=True,
                            prefilled=bool(prompt_responses))
+
+    def _advance_or_fail(self, live: _Live, response: Any, deltas: list[tuple[str, Delta]],
+                         failed: list[tuple[str, Exception]]) -> None:
+        try:
+            delta = self._advance(live, response)
+            if delta is not None:
+                deltas.append((live.request.request_id, delta))
+        except Exception as exc:  # one request's text fault fails that request only
+            self._remove([live.request.request_id])
+            failed.append((live.request.request_id, exc))
+
+    def _may_send_ahead(self, live: _Live, token: int) -> bool:
+        """Whether a first token read right after its sequence's move may go out now:
+        one that cannot end the request in the batch (not a stop token, not the last
+        allowed), for a request that asked for no logprobs (read only from the batch)."""
+        stops = live.request.params.stop_token_ids
+        return (live.request.output.logprobs is None and live.remaining > 1
+                and token not in self._eos_ids and token not in stops)
 
     def _take_while_broken(self, admissions: Sequence[GenerationRequest],
                            cancellations: Collection[str]) -> StepOutcome:
@@ -173,6 +196,7 @@ class Runner:
         self._waiting_for_prefill.clear()
         for live in self._live.values():
             live.uid = None
+            live.sent_ahead = False  # a fresh batch hands nothing back
         chosen = self._live.keys() if active is None else active
         for request_id in chosen:
             live = self._live[request_id]
@@ -329,8 +353,15 @@ class Runner:
     def _users(self) -> set[str]:
         return {u for live in self._by_uid.values() if (u := live.request.user) is not None}
 
-    def _advance(self, live: _Live, response: Any) -> Delta:
-        """Account one generated token; return what it adds to the reply."""
+    def _advance(self, live: _Live, response: Any) -> Delta | None:
+        """Account one generated token; return what it adds to the reply (None: the
+        batch handing back a first token that was sent ahead)."""
+        if live.sent_ahead:
+            live.sent_ahead = False
+            if response.finish_reason is None and response.token == live.generated[-1]:
+                return None
+            raise RuntimeError(f"the batch handed back token {response.token} "
+                               f"({response.finish_reason}) for a token sent ahead")
         live.generated.append(response.token)
         piece = live.text.advance(response.token, response.finish_reason)
         request = live.request
@@ -346,6 +377,17 @@ class Runner:
             self._remove([request.request_id], keep_cache=response.finish_reason is None)
         return Delta(piece.content, 1, piece.finish, request.index, piece.reasoning,
                      piece.tool_calls, logprobs, cached)
+
+
+class _FirstToken(NamedTuple):
+    """A first token read ahead, shaped as the batch's own response for it."""
+
+    uid: int
+    token: int
+    logprobs: Any = None
+    finish_reason: str | None = None
+    prompt_cache: Any = None
+    all_tokens: Any = None
 
 
 def _user_set(user: str | None) -> set[str]:

@@ -45,7 +45,21 @@ def move_prefilled(self: Any, prompt_responses: list[Any]) -> None:
     for i, p in enumerate(progress):
         prompt_responses.append(
             PromptProcessingBatch.Response(gen_batch.uids[i], p, True, True))
+    # Kept for ``take_first_tokens``; replaced by the next move, so nothing accumulates
+    # in a generator whose caller never takes them.
+    self._moved_first_tokens = (list(gen_batch.uids), gen_batch._next_tokens)
     self._generation_batch.extend(gen_batch)
+
+
+def take_first_tokens(batch_generator: Any) -> dict[int, int]:
+    """The first tokens of the sequences the last ``next()`` call moved into decoding,
+    by uid; empty if it moved none (or the change is not in place). Reading them waits
+    for their sampling, a single-token forward pass queued by the move."""
+    moved = vars(batch_generator).pop("_moved_first_tokens", None)
+    if moved is None:
+        return {}
+    uids, tokens = moved
+    return dict(zip(uids, tokens.tolist(), strict=True))
 
 
 def _next_with_early_split(self: Any) -> tuple[list[Any], list[Any]]:
