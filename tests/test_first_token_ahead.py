@@ -79,9 +79,9 @@ def test_a_lone_request_gets_its_first_token_from_the_step_that_prefilled_it(
 
 
 def test_replies_are_the_same_when_first_tokens_go_out_ahead(tiny_model_dir: Path):
-    """Plain requests, and the ones whose first token may not go out ahead (a stop
-    token, the last token allowed, logprobs asked for), in waves joining a running
-    batch, against mlx-lm's schedule."""
+    """Plain requests, the ones whose first token may not go out ahead (a stop token,
+    the last token allowed, logprobs asked for) and one whose first token ends it with a
+    stop string, in waves joining a running batch, against mlx-lm's schedule."""
     model, _ = load(str(tiny_model_dir))
     stop_first = _first_greedy_token(model, _prompt(3))
 
@@ -91,7 +91,8 @@ def test_replies_are_the_same_when_first_tokens_go_out_ahead(tiny_model_dir: Pat
              _request(_prompt(2), logprobs=2)],
             [_request(_prompt(3), stop_token_ids=(stop_first,)), _request(_prompt(4), 12),
              _request(_prompt(5), 3), _request(_prompt(6))],
-            [_request(_prompt(7), 5), _request(_prompt(8), 2)],
+            [_request(_prompt(7), 5), _request(_prompt(8), 2),
+             _request(_prompt(0), stop=("an",))],
         ]
 
     stock, stock_first = _serve(tiny_model_dir, waves(), early=False)
@@ -99,10 +100,11 @@ def test_replies_are_the_same_when_first_tokens_go_out_ahead(tiny_model_dir: Pat
     assert ahead == stock
     assert stock[3] == ("", 1, "stop", 0)  # its first token was its stop token (counted)
     assert stock[2][3] == stock[2][1] > 0  # one logprobs entry per token
+    assert stock[9] == ("", 1, "stop", 0)  # "an", its first token's text, is a stop string
     # Every sequence joins decoding a step sooner (the early join); the first tokens
     # that may go out ahead came a step sooner still.
     sooner = {i: stock_first[i] - ahead_first[i] for i in stock_first}
-    assert sooner == {0: 2, 1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}
+    assert sooner == {0: 2, 1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2, 9: 2}
 
 
 def test_first_tokens_are_the_ones_the_next_call_hands_back(tiny_model_dir: Path):
