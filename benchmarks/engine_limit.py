@@ -3,7 +3,9 @@
 Same prompts, output length, batch settings and arrival pattern as the load generator
 (closed loop keeping ``concurrency`` sequences in flight, or Poisson arrivals), greedy
 sampling and the model's end-of-sequence tokens as stop tokens, like the servers. Times
-are taken when ``BatchGenerator.next()`` hands a token back; with detokenization on
+are taken when ``BatchGenerator.next()`` hands a token back (on mlx_serve's schedule,
+``--early-decode-join``, a first token when the call that moved its sequence into
+decoding returns, as mlx_serve sends it); with detokenization on
 (default) only tokens that release text count as chunks, exactly as the HTTP client
 counts SSE chunks with non-empty text. No HTTP, no threads, no event loop: the ceiling
 a server can approach.
@@ -23,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from benchmarks.host import HostWatch
 from benchmarks.metrics import (
@@ -49,7 +51,8 @@ class BatchSettings:
     # mlx-lm's: the engine that mlx_serve drives, rather than the stock one.
     one_array_logprobs: bool = False
     # mlx_serve's prefill schedule: a prompt joins the decode batch in the step that
-    # finished its prefill, a step sooner than in mlx-lm's (runner/early_split.py).
+    # finished its prefill, a step sooner than in mlx-lm's, and its first token is
+    # taken from that step, as mlx_serve sends it (runner/early_split.py).
     early_decode_join: bool = False
 
 
@@ -59,6 +62,7 @@ class _InFlight:
     detokenizer: Any
     record: RequestRecord = field(default_factory=RequestRecord)
     last: float | None = None
+    taken_ahead: bool = False  # its first token was taken from the step that moved it
 
 
 class EngineHarness:
@@ -71,6 +75,7 @@ class EngineHarness:
         self.model, self.tokenizer, self.batch = model, tokenizer, batch
         self.detokenize = detokenize
         self._eos = StopSequences([(t,) for t in sorted(tokenizer.eos_token_ids)])
+        self._eos_ids = frozenset(tokenizer.eos_token_ids)
 
     def _generator(self) -> Any:
         from mlx_lm.generate import BatchGenerator
@@ -122,6 +127,9 @@ class EngineHarness:
                     time.sleep(min(0.01, max(0.0, arrivals[waiting[0]] - now)))
                     continue
                 prompt_responses, responses = gen.next()
+                if self.batch.early_decode_join:
+                    responses = self._first_tokens_ahead(gen, responses, inflight,
+                                                         workload.output_tokens)
                 steps += 1
                 prefill_steps += bool(prompt_responses)
                 if self._emit(responses, inflight, records):
@@ -141,6 +149,27 @@ class EngineHarness:
         while waiting and len(inflight) + len(admit) < limit and arrivals[waiting[0]] <= now:
             admit.append(waiting.popleft())
         return admit
+
+    def _first_tokens_ahead(self, gen: Any, responses: list[Any],
+                            inflight: dict[int, _InFlight], max_tokens: int) -> list[Any]:
+        """mlx_serve's first tokens: those of the sequences this step moved into decoding,
+        unless one would end its request; the same tokens handed back by the next step
+        are dropped (runner/batch.py does the same)."""
+        from mlx_serve.runner.early_split import take_first_tokens
+
+        kept = []
+        for r in responses:
+            state = inflight[r.uid]
+            if state.taken_ahead:
+                state.taken_ahead = False
+                if r.finish_reason is None:
+                    continue
+            kept.append(r)
+        for uid, token in take_first_tokens(gen).items():
+            if token not in self._eos_ids and max_tokens > 1:
+                inflight[uid].taken_ahead = True
+                kept.append(_Ahead(uid, token))
+        return kept
 
     def _new_detokenizer(self) -> Any:
         return self.tokenizer.detokenizer if self.detokenize else None
@@ -167,6 +196,14 @@ class EngineHarness:
                 del inflight[r.uid]
                 finished = True
         return finished
+
+
+class _Ahead(NamedTuple):
+    """A first token taken from the step that moved its sequence into decoding."""
+
+    uid: int
+    token: int
+    finish_reason: str | None = None
 
 
 def _releases_text(detokenizer: Any, response: Any) -> bool:

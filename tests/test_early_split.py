@@ -124,3 +124,30 @@ def test_the_engine_harness_can_step_on_the_same_schedule(tiny_model_dir: Path):
             gen.close()
     command = harness_command("m", BatchConfig(8, 8, 512), False, early_decode_join=True)
     assert "--early-decode-join" in command
+
+
+def test_the_engine_harness_takes_first_tokens_where_the_server_sends_them(tiny_model_dir):
+    from benchmarks.engine_limit import BatchSettings, EngineHarness, _InFlight
+    from benchmarks.workload import Workload
+
+    model, tokenizer = load(str(tiny_model_dir))
+    harness = EngineHarness(model, tokenizer, BatchSettings(early_decode_join=True))
+    gen = harness._generator()
+    try:
+        uids = gen.insert(_prompts(0, 3), max_tokens=[8] * 3)
+        inflight = {uid: _InFlight(0.0, None) for uid in uids}
+        _, responses = gen.next()  # prefills them and moves them into decoding
+        ahead = harness._first_tokens_ahead(gen, responses, inflight, 8)
+        assert sorted(r.uid for r in ahead) == sorted(uids)
+        _, responses = gen.next()  # hands the same tokens back: dropped
+        assert {r.uid: r.token for r in responses} == {r.uid: r.token for r in ahead}
+        assert harness._first_tokens_ahead(gen, responses, inflight, 8) == []
+    finally:
+        gen.close()
+    # Whole runs count the same tokens on either schedule.
+    workload = Workload(16, 8, num_requests=6, concurrency=3, time_limit=60.0)
+    prompts = _prompts(0, 6)
+    totals = [EngineHarness(model, tokenizer, BatchSettings(early_decode_join=early))
+              .run(prompts, workload) for early in (False, True)]
+    assert [(t["completed"], t["output_tokens"]) for t in totals] == \
+        [(6, totals[0]["output_tokens"])] * 2
