@@ -564,7 +564,7 @@ def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_d
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.engine_limit", "--model", str(tiny_model_dir),
          "--concurrency", "2", "--num-requests", "4", "--prompt-tokens", "16",
-         "--output-tokens", "16", "--one-array-logprobs"],
+         "--output-tokens", "16", "--one-array-logprobs", "--early-decode-join"],
         cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     (path,) = tmp_path.glob("phases.*")  # one file, named after the process
@@ -587,8 +587,13 @@ def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_d
         assert abs(sum(k["calls"] for k in kinds) - 1.0) < 1e-6
         assert abs(sum(k["wall_ms"] for k in kinds) - whole["wall_ms"]) < 0.01
     assert windows[0]["phases"]["BatchGenerator._next (prefilled)"]["calls"] > 0
-    # The decode step ran as mlx_serve's one-array step, bound to the harness's batch.
+    # The decode step ran as mlx_serve's one-array step, bound to the harness's batch,
+    # and on mlx_serve's schedule: the early move and the first tokens read after it.
     assert any("GenerationBatch._step (one array)" in w["phases"] for w in windows)
+    assert any("early move (move_prefilled)" in w["phases"] for w in windows)
+    # Read once a step; a window closes inside a step, before that step's read.
+    reads = [w["phases"]["take_first_tokens"]["calls"] for w in windows]
+    assert reads[0] == 0.9 and all(r == 1.0 for r in reads[1:])
     assert "BatchGenerator._next" in format_windows(windows)
 
 

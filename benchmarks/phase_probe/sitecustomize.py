@@ -60,8 +60,18 @@ def _install(out: str) -> None:
         pass
     else:
         wrap(step, "one_array_step", "GenerationBatch._step (one array)")  # bound per batch
-        for name in ("step", "_advance", "_admit", "_remove"):
+        for name in ("step", "_advance", "_admit", "_remove", "_release_waiting",
+                     "_sample_memory"):
             wrap(runner.Runner, name, f"Runner.{name}")
+        # The early move into decoding runs after mlx-lm's _next, and the first tokens
+        # are read after it: both outside BatchGenerator._next. Each caller holds its own
+        # reference to take_first_tokens, so both are wrapped.
+        split = importlib.import_module("mlx_serve.runner.early_split")
+        wrap(split, "move_prefilled", "early move (move_prefilled)")
+        wrap(split, "take_first_tokens", "take_first_tokens")
+        wrap(runner, "take_first_tokens", "take_first_tokens")
+        text = importlib.import_module("mlx_serve.runner.text")
+        wrap(text.TextPipeline, "advance", "TextPipeline.advance")
         prefix = importlib.import_module("mlx_serve.runner.prefix_cache")
         for name in ("store", "lookup"):
             wrap(prefix.PrefixCache, name, f"PrefixCache.{name}")
