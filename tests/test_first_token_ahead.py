@@ -27,13 +27,15 @@ def _request(prompt: tuple[int, ...], max_tokens: int = 8, logprobs: int | None 
                              output=OutputOptions(logprobs=logprobs))
 
 
-def _serve(model_dir: Path, waves: list[list[GenerationRequest]], early: bool
-           ) -> tuple[dict[int, tuple], dict[int, int]]:
+def _serve(model_dir: Path, waves: list[list[GenerationRequest]], early: bool,
+           prefix_cache_bytes: int = 0) -> tuple[dict[int, tuple], dict[int, int]]:
     """Run waves of requests (wave k admitted at step 3k) to the end. Per request's
-    position: (text, tokens, finish, logprobs count), and the step of its first delta."""
+    position: (text, tokens, finish, logprobs count, prompt tokens reused from the prefix
+    cache), and the step of its first delta."""
     runner = load_runner(str(model_dir), limits=BatchLimits(decode_batch_size=8,
                                                             prefill_batch_size=4),
-                         failpoints=FailPoints.from_spec(None), early_decode_join=early)
+                         failpoints=FailPoints.from_spec(None), early_decode_join=early,
+                         prefix_cache_bytes=prefix_cache_bytes)
     position = {r.request_id: i for i, r in enumerate(itertools.chain(*waves))}
     replies: dict[int, list] = {}
     first: dict[int, int] = {}
@@ -50,7 +52,8 @@ def _serve(model_dir: Path, waves: list[list[GenerationRequest]], early: bool
     finally:
         runner.close()
     summary = {i: ("".join(d.text for d in ds), sum(d.token_count for d in ds),
-                   ds[-1].finish_reason, sum(len(d.logprobs) for d in ds))
+                   ds[-1].finish_reason, sum(len(d.logprobs) for d in ds),
+                   ds[-1].cached_tokens)
                for i, ds in replies.items()}
     return summary, first
 
@@ -98,9 +101,9 @@ def test_replies_are_the_same_when_first_tokens_go_out_ahead(tiny_model_dir: Pat
     stock, stock_first = _serve(tiny_model_dir, waves(), early=False)
     ahead, ahead_first = _serve(tiny_model_dir, waves(), early=True)
     assert ahead == stock
-    assert stock[3] == ("", 1, "stop", 0)  # its first token was its stop token (counted)
+    assert stock[3] == ("", 1, "stop", 0, 0)  # its first token was its stop token (counted)
     assert stock[2][3] == stock[2][1] > 0  # one logprobs entry per token
-    assert stock[9] == ("", 1, "stop", 0)  # "an", its first token's text, is a stop string
+    assert stock[9] == ("", 1, "stop", 0, 0)  # "an", its first token's text, is a stop string
     # Every sequence joins decoding a step sooner (the early join); the first tokens
     # that may go out ahead came a step sooner still.
     sooner = {i: stock_first[i] - ahead_first[i] for i in stock_first}
@@ -122,3 +125,18 @@ def test_first_tokens_are_the_ones_the_next_call_hands_back(tiny_model_dir: Path
         assert handed_back == ahead
     finally:
         gen.close()
+
+
+def test_choices_sharing_a_prompt_get_the_same_replies(tiny_model_dir: Path):
+    """With the prefix cache on, later choices of one prompt wait for the first one's
+    prefill and start from its KV: their moves, and first tokens, come later."""
+    def waves() -> list[list[GenerationRequest]]:
+        shared = _prompt(1) * 3  # long enough to be reused (16 tokens or more)
+        return [[_request(shared, 6), _request(shared, 6), _request(_prompt(2), 6)],
+                [_request(shared, 4), _request(_prompt(2), 5)]]
+
+    stock, _ = _serve(tiny_model_dir, waves(), early=False, prefix_cache_bytes=1 << 26)
+    ahead, _ = _serve(tiny_model_dir, waves(), early=True, prefix_cache_bytes=1 << 26)
+    assert ahead == stock
+    assert stock[0][:4] == stock[1][:4] and stock[0][1] == 6
+    assert stock[0][4] == 0 and stock[1][4] > 0 and stock[3][4] > 0  # reused the first's KV
