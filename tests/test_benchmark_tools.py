@@ -618,7 +618,10 @@ def test_the_admission_probe_splits_each_requests_first_token_in_a_real_server(
                         "prompt": f"count {n}", "max_tokens": 8, "temperature": 0,
                         "stream": True}) as reply:
                     assert reply.status_code == 200
-                    assert any(line.startswith("data: [DONE]") for line in reply.iter_lines())
+                    lines = [line for line in reply.iter_lines() if line]
+                # The probe changes nothing in the reply: every request runs to its length.
+                assert lines[-1] == "data: [DONE]" and '"error"' not in "".join(lines)
+                assert any('"finish_reason": "length"' in line for line in lines)
     finally:
         server.stop()
     (path,) = tmp_path.glob("admission.*")  # one process: re-executing keeps the pid
