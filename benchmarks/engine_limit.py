@@ -62,7 +62,6 @@ class _InFlight:
     detokenizer: Any
     record: RequestRecord = field(default_factory=RequestRecord)
     last: float | None = None
-    taken_ahead: bool = False  # its first token was taken from the step that moved it
 
 
 class EngineHarness:
@@ -128,7 +127,7 @@ class EngineHarness:
                     continue
                 prompt_responses, responses = gen.next()
                 if self.batch.early_decode_join:
-                    responses = self._first_tokens_ahead(gen, responses, inflight,
+                    responses = self._first_tokens_ahead(gen, responses,
                                                          workload.output_tokens)
                 steps += 1
                 prefill_steps += bool(prompt_responses)
@@ -150,26 +149,22 @@ class EngineHarness:
             admit.append(waiting.popleft())
         return admit
 
-    def _first_tokens_ahead(self, gen: Any, responses: list[Any],
-                            inflight: dict[int, _InFlight], max_tokens: int) -> list[Any]:
+    def _first_tokens_ahead(self, gen: Any, responses: list[Any], max_tokens: int
+                            ) -> list[Any]:
         """mlx_serve's first tokens: those of the sequences this step moved into decoding,
         unless one would end its request; the same tokens handed back by the next step
-        are dropped (runner/batch.py does the same)."""
-        from mlx_serve.runner.early_split import take_first_tokens
+        are dropped, as in mlx_serve's runner."""
+        from mlx_serve.runner.early_split import (
+            drop_handed_back,
+            mark_sent_ahead,
+            take_first_tokens,
+        )
 
-        kept = []
-        for r in responses:
-            state = inflight[r.uid]
-            if state.taken_ahead:
-                state.taken_ahead = False
-                if r.finish_reason is None:
-                    continue
-            kept.append(r)
-        for uid, token in take_first_tokens(gen).items():
-            if token not in self._eos_ids and max_tokens > 1:
-                inflight[uid].taken_ahead = True
-                kept.append(_Ahead(uid, token))
-        return kept
+        kept = drop_handed_back(gen, responses)
+        ahead = {uid: token for uid, token in take_first_tokens(gen).items()
+                 if token not in self._eos_ids and max_tokens > 1}
+        mark_sent_ahead(gen, ahead)
+        return kept + [_Ahead(uid, token) for uid, token in ahead.items()]
 
     def _new_detokenizer(self) -> Any:
         return self.tokenizer.detokenizer if self.detokenize else None

@@ -127,7 +127,7 @@ def test_the_engine_harness_can_step_on_the_same_schedule(tiny_model_dir: Path):
 
 
 def test_the_engine_harness_takes_first_tokens_where_the_server_sends_them(tiny_model_dir):
-    from benchmarks.engine_limit import BatchSettings, EngineHarness, _InFlight
+    from benchmarks.engine_limit import BatchSettings, EngineHarness
     from benchmarks.workload import Workload
 
     model, tokenizer = load(str(tiny_model_dir))
@@ -135,13 +135,12 @@ def test_the_engine_harness_takes_first_tokens_where_the_server_sends_them(tiny_
     gen = harness._generator()
     try:
         uids = gen.insert(_prompts(0, 3), max_tokens=[8] * 3)
-        inflight = {uid: _InFlight(0.0, None) for uid in uids}
         _, responses = gen.next()  # prefills them and moves them into decoding
-        ahead = harness._first_tokens_ahead(gen, responses, inflight, 8)
+        ahead = harness._first_tokens_ahead(gen, responses, 8)
         assert sorted(r.uid for r in ahead) == sorted(uids)
         _, responses = gen.next()  # hands the same tokens back: dropped
         assert {r.uid: r.token for r in responses} == {r.uid: r.token for r in ahead}
-        assert harness._first_tokens_ahead(gen, responses, inflight, 8) == []
+        assert harness._first_tokens_ahead(gen, responses, 8) == []
     finally:
         gen.close()
     # Whole runs count the same tokens on either schedule.

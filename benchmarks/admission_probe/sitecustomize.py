@@ -58,9 +58,9 @@ def _install(out: str) -> None:
     advance = batch.Runner._advance
 
     def advanced(self, live, response):
-        delta = advance(self, live, response)  # None: a token sent ahead, handed back
+        delta = advance(self, live, response)
         rid = live.request.request_id
-        if delta is not None and delta.text and rid not in written:
+        if delta.text and rid not in written:
             written.add(rid)
             t = marks.pop(rid, {})
             if len(t) == 4:

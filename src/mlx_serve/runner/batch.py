@@ -21,7 +21,12 @@ from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Delta, GenerationRequest, StepOutcome
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
-from mlx_serve.runner.early_split import take_first_tokens, use_early_split
+from mlx_serve.runner.early_split import (
+    drop_handed_back,
+    mark_sent_ahead,
+    take_first_tokens,
+    use_early_split,
+)
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
@@ -45,8 +50,7 @@ class BatchLimits:
 class _Live:
     """One request the runner is generating for (in the batch, or parked)."""
 
-    __slots__ = ("request", "text", "generated", "uid", "cached_tokens", "prefilled",
-                 "sent_ahead")
+    __slots__ = ("request", "text", "generated", "uid", "cached_tokens", "prefilled")
 
     def __init__(self, request: GenerationRequest, text: TextPipeline) -> None:
         self.request = request
@@ -55,9 +59,6 @@ class _Live:
         self.uid: int | None = None
         self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache
         self.prefilled = False
-        # Its first token went out in the step that prefilled it: the batch hands that
-        # token back once more, in the next step, where it is not counted again.
-        self.sent_ahead = False
 
     @property
     def remaining(self) -> int:
@@ -128,6 +129,7 @@ class Runner:
             if self._failpoints:  # the users set is built only when fail points exist
                 self._failpoints.check("engine.step", self._users())
             prompt_responses, responses = self._batch.next()
+            responses = drop_handed_back(self._batch, responses)
             first_tokens = take_first_tokens(self._batch)
             if self._failpoints:
                 self._failpoints.check("engine.detokenize", self._users())
@@ -140,11 +142,13 @@ class Runner:
             live = self._by_uid.get(r.uid)
             if live is not None:
                 self._advance_or_fail(live, r, deltas, failed)
+        sent = {}
         for uid, token in first_tokens.items():
             live = self._by_uid.get(uid)
             if live is not None and self._may_send_ahead(live, token):
+                sent[uid] = token
                 self._advance_or_fail(live, _FirstToken(uid, token), deltas, failed)
-                live.sent_ahead = live.uid in self._by_uid  # unless a stop string ended it
+        mark_sent_ahead(self._batch, sent)
         # Sampled every so often, and when the batch empties so that idle figures settle.
         if not self._by_uid or time.monotonic() - self._memory_sampled >= MEMORY_SAMPLE_INTERVAL_S:
             self._sample_memory()
@@ -154,9 +158,7 @@ class Runner:
     def _advance_or_fail(self, live: _Live, response: Any, deltas: list[tuple[str, Delta]],
                          failed: list[tuple[str, Exception]]) -> None:
         try:
-            delta = self._advance(live, response)
-            if delta is not None:
-                deltas.append((live.request.request_id, delta))
+            deltas.append((live.request.request_id, self._advance(live, response)))
         except Exception as exc:  # one request's text fault fails that request only
             self._remove([live.request.request_id])
             failed.append((live.request.request_id, exc))
@@ -196,7 +198,6 @@ class Runner:
         self._waiting_for_prefill.clear()
         for live in self._live.values():
             live.uid = None
-            live.sent_ahead = False  # a fresh batch hands nothing back
         chosen = self._live.keys() if active is None else active
         for request_id in chosen:
             live = self._live[request_id]
@@ -353,15 +354,8 @@ class Runner:
     def _users(self) -> set[str]:
         return {u for live in self._by_uid.values() if (u := live.request.user) is not None}
 
-    def _advance(self, live: _Live, response: Any) -> Delta | None:
-        """Account one generated token; return what it adds to the reply (None: the
-        batch handing back a first token that was sent ahead)."""
-        if live.sent_ahead:
-            live.sent_ahead = False
-            if response.finish_reason is None and response.token == live.generated[-1]:
-                return None
-            raise RuntimeError(f"the batch handed back token {response.token} "
-                               f"({response.finish_reason}) for a token sent ahead")
+    def _advance(self, live: _Live, response: Any) -> Delta:
+        """Account one generated token; return what it adds to the reply."""
         live.generated.append(response.token)
         piece = live.text.advance(response.token, response.finish_reason)
         request = live.request

@@ -13,6 +13,13 @@ and inputs; what changes is only the step at which it joins the decode batch, wh
 plain serving already depends on when its request arrived. With nothing else in the
 batch (one stream) the steps are the same ones, one call earlier; the tests compare
 the outputs with mlx-lm's own schedule.
+
+The move also samples each moved sequence's first token (mlx-lm's ``generate`` runs its
+first decode step), but ``next()`` hands that token back only at the end of the *next*
+call, which at 64-128 streams is often another group's prefill. ``take_first_tokens``
+reads those tokens as soon as the call that moved them returns, so a server can send
+them a call sooner still; the next call hands the same tokens back as usual, and
+``drop_handed_back`` takes out the ones ``mark_sent_ahead`` recorded as sent.
 """
 
 from __future__ import annotations
@@ -60,6 +67,30 @@ def take_first_tokens(batch_generator: Any) -> dict[int, int]:
         return {}
     uids, tokens = moved
     return dict(zip(uids, tokens.tolist(), strict=True))
+
+
+def mark_sent_ahead(batch_generator: Any, sent: dict[int, int]) -> None:
+    """Record the first tokens (by uid) sent ahead after the last ``next()`` call."""
+    if sent:
+        batch_generator._sent_ahead = sent
+
+
+def drop_handed_back(batch_generator: Any, responses: list[Any]) -> list[Any]:
+    """A ``next()`` call's responses without the first tokens sent ahead after the call
+    before it: the batch hands each back in the very next call, or never (its sequence
+    was removed meanwhile). Anything but the same token, unfinished, is a fault."""
+    sent = vars(batch_generator).pop("_sent_ahead", None)
+    if not sent:
+        return responses
+    kept = []
+    for r in responses:
+        token = sent.get(r.uid)
+        if token is None:
+            kept.append(r)
+        elif r.token != token or r.finish_reason is not None:
+            raise RuntimeError(f"the batch handed back token {r.token} ({r.finish_reason}) "
+                               f"for token {token}, sent ahead")
+    return kept
 
 
 def _next_with_early_split(self: Any) -> tuple[list[Any], list[Any]]:
