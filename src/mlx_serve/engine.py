@@ -21,16 +21,21 @@ from typing import Any
 
 import anyio
 
-from mlx_serve.engine_state import ALIVE_STATES, EngineConfig, EngineState, EngineStatistics
+from mlx_serve.engine_state import (
+    ALIVE_STATES,
+    EngineConfig,
+    EngineState,
+    EngineStatistics,
+    unavailable_error,
+)
 from mlx_serve.engine_step import EngineStep
 from mlx_serve.errors import (
     EngineDeadError,
-    EngineUnavailableError,
     GenerationError,
     MLXServeError,
     OverloadedError,
-    RequestError,
     StepTimeoutError,
+    as_request_error,
 )
 from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent, StepOutcome
 from mlx_serve.mlx_thread import MLXThread
@@ -43,7 +48,7 @@ from mlx_serve.wakeup import Wakeup
 log = logging.getLogger(__name__)
 
 __all__ = ["ALIVE_STATES", "Engine", "EngineConfig", "EngineState", "EngineStatistics",
-           "RequestHandle"]
+           "RequestHandle", "unavailable_error"]
 
 
 class _EngineFailed(Exception):
@@ -331,7 +336,7 @@ class Engine:
 
     async def _handle(self, outcome: StepOutcome, in_step: set[str]) -> None:
         for rid, exc in outcome.failed:
-            self._finish(rid, Failure(_as_request_error(exc)))
+            self._finish(rid, Failure(as_request_error(exc)))
         if outcome.skipped:  # queued behind a failed step: admitted, not stepped
             return
         self._deliver(outcome.deltas)
@@ -384,18 +389,3 @@ class Engine:
 
     def unavailable_error(self) -> MLXServeError:
         return unavailable_error(self._state)
-
-
-def unavailable_error(state: EngineState) -> MLXServeError:
-    """Why an engine in ``state`` takes no requests."""
-    if state in (EngineState.FAILED, EngineState.STOPPED):
-        return EngineDeadError(f"the generation engine has {state.value}")
-    return EngineUnavailableError(f"the server is {state.value}; retry later")
-
-
-def _as_request_error(exc: Exception) -> MLXServeError:
-    if isinstance(exc, MLXServeError):
-        return exc
-    if isinstance(exc, ValueError):
-        return RequestError(f"the request could not be admitted: {exc}")
-    return GenerationError(f"generation failed: {type(exc).__name__}: {exc}")

@@ -1,10 +1,13 @@
-"""The engine's states, settings and statistics snapshot: plain values, no behaviour."""
+"""The engine's states, settings and statistics snapshot: plain values, and the error
+that each state not taking requests answers with."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 from typing import Any
+
+from mlx_serve.errors import EngineDeadError, EngineUnavailableError, MLXServeError
 
 
 class EngineState(enum.StrEnum):
@@ -54,3 +57,10 @@ class EngineStatistics:
             "error": self.error, "mlx_busy_s": round(self.mlx_busy, 4),
             "prefill_steps": self.prefill_steps,
         }
+
+
+def unavailable_error(state: EngineState) -> MLXServeError:
+    """Why an engine in ``state`` takes no requests."""
+    if state in (EngineState.FAILED, EngineState.STOPPED):
+        return EngineDeadError(f"the generation engine has {state.value}")
+    return EngineUnavailableError(f"the server is {state.value}; retry later")

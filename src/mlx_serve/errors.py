@@ -95,3 +95,13 @@ class StepTimeoutError(MLXServeError):
     status_code = 503
     code = "step_timeout"
     retry_after = 5
+
+
+def as_request_error(exc: Exception) -> MLXServeError:
+    """What a client sees for an exception that ended its request: our own errors as they
+    are, a rejected input (ValueError) as a 400, anything else as a failed generation."""
+    if isinstance(exc, MLXServeError):
+        return exc
+    if isinstance(exc, ValueError):
+        return RequestError(f"the request could not be admitted: {exc}")
+    return GenerationError(f"generation failed: {type(exc).__name__}: {exc}")

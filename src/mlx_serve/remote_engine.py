@@ -27,8 +27,7 @@ from typing import Any
 import anyio
 
 from mlx_serve.config import Settings
-from mlx_serve.engine import unavailable_error
-from mlx_serve.engine_state import EngineState, EngineStatistics
+from mlx_serve.engine_state import EngineState, EngineStatistics, unavailable_error
 from mlx_serve.engine_wire import HEARTBEAT_S, EngineInfo, frame, read_message, unpack_event
 from mlx_serve.errors import EngineDeadError, MLXServeError, OverloadedError, StepTimeoutError
 from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent
