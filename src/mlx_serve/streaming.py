@@ -64,17 +64,9 @@ async def sse_events(
             async for event in handle:
                 # Everything that queued up meanwhile goes out in one write: when the
                 # event loop falls behind, each write carries several tokens.
-                frames = []
                 pending = [event, *handle.take_ready()]
-                for ready in merge_text_deltas(pending) if merge_text else pending:
-                    if isinstance(ready, Failure):
-                        frames.append(_frame(json.dumps(ready.error.to_dict())))
-                        failed = True
-                        break
-                    choice = state[ready.index]
-                    chunk = shape.delta_chunk(choice, ready, shape.absorb(choice, ready))
-                    if chunk is not None:
-                        frames.append(_frame(chunk))
+                frames, failed = _event_frames(
+                    shape, state, merge_text_deltas(pending) if merge_text else pending)
                 if frames:
                     if failpoints:
                         await failpoints.acheck("sse.send", users)
@@ -89,6 +81,22 @@ async def sse_events(
             error = MLXServeError(f"streaming failed: {type(exc).__name__}")
             yield _frame(json.dumps(error.to_dict()))
         yield b"data: [DONE]\n\n"
+
+
+def _event_frames(shape: ReplyShape, state: list[Choice], events: list[ReplyEvent]
+                  ) -> tuple[list[bytes], bool]:
+    """The SSE frames of events taken together, and whether one was a failure (its error
+    frame is the last: the stream ends there)."""
+    frames = []
+    for event in events:
+        if isinstance(event, Failure):
+            frames.append(_frame(json.dumps(event.error.to_dict())))
+            return frames, True
+        choice = state[event.index]
+        chunk = shape.delta_chunk(choice, event, shape.absorb(choice, event))
+        if chunk is not None:
+            frames.append(_frame(chunk))
+    return frames, False
 
 
 def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
