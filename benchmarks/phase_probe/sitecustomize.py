@@ -15,16 +15,24 @@ import os
 _OUT = os.environ.get("MLX_PHASE_PROBE_OUT")
 
 
-def _install(out: str) -> None:
-    import importlib
-    import json
-    import resource
-    import time
+class _Probe:
+    """Per-phase totals of the wrapped calls, written out every ``every`` batch steps."""
 
-    totals: dict[str, list[int]] = {}
+    def __init__(self, out: str, every: int) -> None:
+        import time
 
-    def wrap(owner: object, name: str, label: str) -> None:
+        self.out, self.every = out, every
+        self.totals: dict[str, list[int]] = {}  # label -> calls, cpu ns, wall ns, faults
+        self.seen: dict[str, list[int]] = {}  # the totals at the last write
+        self.clock = time.time()
+        self.prefilled = False  # whether the step under way processed prompt tokens
+
+    def wrap(self, owner: object, name: str, label: str) -> None:
+        import resource
+        import time
+
         inner = getattr(owner, name)
+        totals = self.totals
 
         def timed(*args, **kwargs):
             cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
@@ -40,87 +48,113 @@ def _install(out: str) -> None:
 
         setattr(owner, name, timed)
 
-    gen = importlib.import_module("mlx_lm.generate")
-    for cls, names in ((gen.GenerationBatch, ("_step", "next", "extend", "filter")),
-                       (gen.PromptProcessingBatch, ("prompt", "generate")),
-                       (gen.BatchGenerator, ("_next", "insert", "remove"))):
-        for name in names:
-            wrap(cls, name, f"{cls.__name__}.{name}")
-    # Finer phases where the CPU reads or frees device memory: a finished sequence's KV
-    # extraction reads every layer's padding, and mlx-lm empties MLX's buffer cache
-    # after every prefill chunk.
-    cache = importlib.import_module("mlx_lm.models.cache")
-    for name in ("extract", "filter", "extend"):
-        wrap(cache.BatchKVCache, name, f"BatchKVCache.{name}")
-    wrap(importlib.import_module("mlx.core"), "clear_cache", "mx.clear_cache")
-    try:  # mlx_serve's runner, where it is importable
-        runner = importlib.import_module("mlx_serve.runner.batch")
-        step = importlib.import_module("mlx_serve.runner.decode_step")
-    except ImportError:
-        pass
-    else:
-        wrap(step, "one_array_step", "GenerationBatch._step (one array)")  # bound per batch
+    def wrap_mlx_lm(self, gen) -> None:
+        import importlib
+
+        for cls, names in ((gen.GenerationBatch, ("_step", "next", "extend", "filter")),
+                           (gen.PromptProcessingBatch, ("prompt", "generate")),
+                           (gen.BatchGenerator, ("_next", "insert", "remove"))):
+            for name in names:
+                self.wrap(cls, name, f"{cls.__name__}.{name}")
+        # Finer phases where the CPU reads or frees device memory: a finished sequence's
+        # KV extraction reads every layer's padding, and mlx-lm empties MLX's buffer
+        # cache after every prefill chunk.
+        cache = importlib.import_module("mlx_lm.models.cache")
+        for name in ("extract", "filter", "extend"):
+            self.wrap(cache.BatchKVCache, name, f"BatchKVCache.{name}")
+        self.wrap(importlib.import_module("mlx.core"), "clear_cache", "mx.clear_cache")
+
+    def wrap_runner(self) -> None:
+        """mlx_serve's runner phases, where it is importable."""
+        import importlib
+
+        try:
+            runner = importlib.import_module("mlx_serve.runner.batch")
+            step = importlib.import_module("mlx_serve.runner.decode_step")
+        except ImportError:
+            return
+        self.wrap(step, "one_array_step", "GenerationBatch._step (one array)")  # bound per batch
         for name in ("step", "_advance", "_admit", "_remove", "_release_waiting",
                      "_sample_memory"):
-            wrap(runner.Runner, name, f"Runner.{name}")
+            self.wrap(runner.Runner, name, f"Runner.{name}")
         # The early move into decoding runs after mlx-lm's _next, and the first tokens
         # are read after it: both outside BatchGenerator._next. Each caller holds its own
         # reference to take_first_tokens, so both are wrapped.
         split = importlib.import_module("mlx_serve.runner.early_split")
-        wrap(split, "move_prefilled", "early move (move_prefilled)")
-        wrap(split, "take_first_tokens", "take_first_tokens")
-        wrap(runner, "take_first_tokens", "take_first_tokens")
+        self.wrap(split, "move_prefilled", "early move (move_prefilled)")
+        self.wrap(split, "take_first_tokens", "take_first_tokens")
+        self.wrap(runner, "take_first_tokens", "take_first_tokens")
         text = importlib.import_module("mlx_serve.runner.text")
-        wrap(text.TextPipeline, "advance", "TextPipeline.advance")
+        self.wrap(text.TextPipeline, "advance", "TextPipeline.advance")
         prefix = importlib.import_module("mlx_serve.runner.prefix_cache")
         for name in ("store", "lookup"):
-            wrap(prefix.PrefixCache, name, f"PrefixCache.{name}")
+            self.wrap(prefix.PrefixCache, name, f"PrefixCache.{name}")
 
-    # Steps that prefilled prompts apart from decode-only ones: mlx-lm calls ``prompt``
-    # in every step, with no tokens when no prompt waits.
-    prefilled = [False]
-    prompting = gen.PromptProcessingBatch.prompt
+    def flag_prefills(self, gen) -> None:
+        """Steps that prefilled prompts apart from decode-only ones: mlx-lm calls
+        ``prompt`` in every step, with no tokens when no prompt waits."""
+        prompting = gen.PromptProcessingBatch.prompt
+        probe = self
 
-    def flagged_prompt(self, tokens, *args, **kwargs):
-        prefilled[0] = prefilled[0] or bool(tokens)
-        return prompting(self, tokens, *args, **kwargs)
+        def flagged_prompt(batch, tokens, *args, **kwargs):
+            probe.prefilled = probe.prefilled or bool(tokens)
+            return prompting(batch, tokens, *args, **kwargs)
 
-    gen.PromptProcessingBatch.prompt = flagged_prompt
+        gen.PromptProcessingBatch.prompt = flagged_prompt
 
-    every = int(os.environ.get("MLX_PHASE_PROBE_EVERY", "200"))
-    seen: dict[str, list[int]] = {}
-    clock = [time.time()]
-    stepping = gen.BatchGenerator._next
+    def count_steps(self, gen) -> None:
+        """Split each (wrapped) ``_next`` by kind, and write every ``every`` steps."""
+        stepping = gen.BatchGenerator._next
+        probe, totals = self, self.totals
 
-    def counted_next(self, *args, **kwargs):
-        prefilled[0] = False
-        before = list(totals.get("BatchGenerator._next", (0, 0, 0, 0)))
-        result = stepping(self, *args, **kwargs)
-        kind = "prefilled" if prefilled[0] else "decode only"
-        split = totals.setdefault(f"BatchGenerator._next ({kind})", [0, 0, 0, 0])
-        for i, (after, was) in enumerate(zip(totals["BatchGenerator._next"], before,
-                                             strict=True)):
-            split[i] += after - was
-        steps = totals["BatchGenerator._next"][0] - seen.get("BatchGenerator._next", [0])[0]
-        if steps >= every:
-            now = time.time()
-            phases = {}
-            for label, t in totals.items():
-                d = [a - b for a, b in zip(t, seen.get(label, [0, 0, 0, 0]), strict=True)]
-                if d[0]:
-                    phases[label] = {"calls": round(d[0] / steps, 3),
-                                     "cpu_ms": round(d[1] / steps / 1e6, 3),
-                                     "wall_ms": round(d[2] / steps / 1e6, 3),
-                                     "faults": round(d[3] / steps, 1)}
-            with open(f"{out}.{os.getpid()}", "a") as fh:
-                fh.write(json.dumps({"time": round(now, 3), "steps": steps,
-                                     "wall_ms_per_step": round((now - clock[0]) / steps * 1e3, 3),
-                                     "phases": phases}) + "\n")
-            seen.update({k: list(v) for k, v in totals.items()})
-            clock[0] = now
-        return result
+        def counted_next(batch, *args, **kwargs):
+            probe.prefilled = False
+            before = list(totals.get("BatchGenerator._next", (0, 0, 0, 0)))
+            result = stepping(batch, *args, **kwargs)
+            kind = "prefilled" if probe.prefilled else "decode only"
+            split = totals.setdefault(f"BatchGenerator._next ({kind})", [0, 0, 0, 0])
+            for i, (after, was) in enumerate(zip(totals["BatchGenerator._next"], before,
+                                                 strict=True)):
+                split[i] += after - was
+            steps = totals["BatchGenerator._next"][0] - probe.seen.get(
+                "BatchGenerator._next", [0])[0]
+            if steps >= probe.every:
+                probe.write(steps)
+            return result
 
-    gen.BatchGenerator._next = counted_next
+        gen.BatchGenerator._next = counted_next
+
+    def write(self, steps: int) -> None:
+        """One line: each phase's calls, CPU, wall and faults per step since the last."""
+        import json
+        import time
+
+        now = time.time()
+        phases = {}
+        for label, t in self.totals.items():
+            d = [a - b for a, b in zip(t, self.seen.get(label, [0, 0, 0, 0]), strict=True)]
+            if d[0]:
+                phases[label] = {"calls": round(d[0] / steps, 3),
+                                 "cpu_ms": round(d[1] / steps / 1e6, 3),
+                                 "wall_ms": round(d[2] / steps / 1e6, 3),
+                                 "faults": round(d[3] / steps, 1)}
+        with open(f"{self.out}.{os.getpid()}", "a") as fh:
+            fh.write(json.dumps({"time": round(now, 3), "steps": steps,
+                                 "wall_ms_per_step": round((now - self.clock) / steps * 1e3, 3),
+                                 "phases": phases}) + "\n")
+        self.seen.update({k: list(v) for k, v in self.totals.items()})
+        self.clock = now
+
+
+def _install(out: str) -> None:
+    import importlib
+
+    gen = importlib.import_module("mlx_lm.generate")
+    probe = _Probe(out, int(os.environ.get("MLX_PHASE_PROBE_EVERY", "200")))
+    probe.wrap_mlx_lm(gen)
+    probe.wrap_runner()
+    probe.flag_prefills(gen)
+    probe.count_steps(gen)
 
 
 if _OUT:
