@@ -7,10 +7,9 @@ client timeout or a bounded poll of ``/health``; nothing sleeps to synchronise.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,84 +18,37 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from tests.http_helpers import (
+    HI,
+    MODEL,
+    NO_EOS,
+    TIMEOUT,
+    chat_prompt_tokens,
+    health,
+    printable_window,
+    sdk_client,
+    served,
+    sse_data,
+)
 from tests.server_process import ServerProcess
-
-MODEL = "tiny"  # the served id: the tiny model folder's name
-EOS_IDS = (0, 2)  # the tiny model's end-of-sequence tokens (<|endoftext|>, <|im_end|>)
-NO_EOS = {str(t): -100 for t in EOS_IDS}  # logit_bias that keeps a request going to max_tokens
-HI = [{"role": "user", "content": "hi"}]
-TIMEOUT = 30.0
-READY_TIMEOUT = 100.0  # a start takes ~3 s, far more on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         ServerProcess]:
-    proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("http_api") / "server.log")
-    try:
-        proc.wait_ready(READY_TIMEOUT)
+    with served(tiny_model_dir, tmp_path_factory.mktemp("http_api") / "server.log") as proc:
         yield proc
-    finally:
-        proc.stop()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with sdk_client(server) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    # max_retries=0: the SDK must not hide a 429/5xx/timeout behind a silent retry.
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=TIMEOUT,
-                       max_retries=0) as c:
-        yield c
-
-
-def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=TIMEOUT,
-                              max_retries=0)
-
-
-def chat_prompt_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> int:
-    """Token count of the tiny model's ChatML rendering (with the generation prompt)."""
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return len(tokenizer.encode(text + "<|im_start|>assistant\n").ids)
-
-
-def health(server: ServerProcess) -> dict[str, Any]:
-    response = httpx.get(server.base_url + "/health", timeout=5)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def wait_health(server: ServerProcess, predicate: Callable[[dict[str, Any]], bool],
-                timeout: float = 10.0) -> dict[str, Any]:
-    """Poll /health until ``predicate(body)`` holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=server.base_url, timeout=5) as c:
-        while True:
-            body = c.get("/health").json()
-            if predicate(body):
-                return body
-            if time.monotonic() > deadline:
-                raise AssertionError(f"/health never satisfied the condition: {body}")
-            time.sleep(0.02)
-
-
-def sse_data(lines: list[str]) -> list[str]:
-    """The ``data:`` payloads of an SSE body, in order (comments and blank lines dropped)."""
-    return [line[len("data:"):].strip() for line in lines if line.startswith("data:")]
-
-
-def printable_window(text: str, start: int, size: int) -> int | None:
-    """Index >= start of ``size`` plain ASCII letters/digits/punctuation, or None."""
-    for i in range(start, len(text) - size + 1):
-        window = text[i:i + size]
-        if all(32 <= ord(ch) < 127 for ch in window) and window.strip() == window and \
-                text.index(window) == i:
-            return i
-    return None
 
 
 # -- non-streaming ------------------------------------------------------------------------
@@ -343,152 +295,6 @@ def test_unknown_vendor_field_and_user_are_accepted(client, server):
         "model": MODEL, "prompt": "hi", "max_tokens": 2, "foo": {"bar": [1, 2]},
         "user": "bob", "store": False, "metadata": {"k": "v"}})
     assert raw.status_code == 200, raw.text
-
-
-# -- concurrency, disconnects, health under load -----------------------------------------
-
-PROMPTS = [f"Question {i}: why is the sky blue? Answer:" for i in range(16)]
-
-
-@pytest.mark.anyio
-async def test_sixteen_concurrent_streams_finish_with_exact_counts(server, client):
-    solo = [client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=24, temperature=0)
-        for p in PROMPTS]
-
-    async def stream(aclient: openai.AsyncOpenAI, prompt: str) -> tuple[str, str, Any]:
-        parts, finish, usage = [], None, None
-        chunks = await aclient.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24,
-            temperature=0, stream=True, stream_options={"include_usage": True})
-        async for chunk in chunks:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                parts.append(choice.delta.content or "")
-                finish = choice.finish_reason or finish
-        return "".join(parts), finish, usage
-
-    async with async_client(server) as aclient:
-        results = await asyncio.wait_for(
-            asyncio.gather(*(stream(aclient, p) for p in PROMPTS)), TIMEOUT)
-    for (text, finish, usage), expected in zip(results, solo, strict=True):
-        assert finish == expected.choices[0].finish_reason
-        assert usage.completion_tokens == expected.usage.completion_tokens
-        assert usage.prompt_tokens == expected.usage.prompt_tokens
-        if finish == "length":
-            assert usage.completion_tokens == 24
-        # Batched greedy output equals the solo output.
-        assert text == expected.choices[0].message.content
-    assert wait_health(server, lambda h: h["running"] == 0)["running"] == 0
-
-
-@pytest.mark.anyio
-async def test_health_and_live_answer_fast_under_sixteen_streams(server):
-    async def stream(aclient: openai.AsyncOpenAI, prompt: str) -> int:
-        chunks = await aclient.chat.completions.create(
-            # Long enough that the probes below finish while every stream still runs.
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1000,
-            temperature=0, stream=True, logit_bias=NO_EOS,
-            stream_options={"include_usage": True})
-        usage = None
-        async for chunk in chunks:
-            usage = chunk.usage or usage
-        return usage.completion_tokens
-
-    latencies: list[float] = []
-    async with async_client(server) as aclient, httpx.AsyncClient(
-            base_url=server.base_url, timeout=5) as probe:
-        tasks = [asyncio.ensure_future(stream(aclient, p)) for p in PROMPTS]
-        try:
-            deadline = time.monotonic() + 20
-            while (await probe.get("/health")).json()["running"] < 16:
-                assert time.monotonic() < deadline, "the 16 streams never all ran"
-                assert not any(t.done() for t in tasks), "a stream ended early"
-                await asyncio.sleep(0.01)  # a bounded poll, not a synchronisation
-            for _ in range(5):
-                for path in ("/health", "/live"):
-                    started = time.monotonic()
-                    response = await probe.get(path)
-                    latencies.append(time.monotonic() - started)
-                    assert response.status_code == 200
-                    assert response.json()["status"] == "ok"
-            under_load = (await probe.get("/health")).json()
-            counts = await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
-        finally:
-            for t in tasks:
-                t.cancel()
-    assert under_load["running"] > 0, "measured after the load was gone"
-    assert max(latencies) < 1.0, latencies
-    assert counts == [1000] * 16
-
-
-@pytest.mark.anyio
-async def test_client_disconnecting_mid_stream_leaves_the_others_running(server):
-    before = health(server)["steps"]
-    first_chunk = [asyncio.Event() for _ in range(3)]
-
-    async def other(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
-        finish, usage = None, None
-        chunks = await aclient.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=300,
-            temperature=0, stream=True, logit_bias=NO_EOS,
-            stream_options={"include_usage": True})
-        async for chunk in chunks:
-            first_chunk[i].set()
-            usage = chunk.usage or usage
-            for choice in chunk.choices:
-                finish = choice.finish_reason or finish
-        return finish, usage.completion_tokens
-
-    async with async_client(server) as aclient:
-        others = [asyncio.ensure_future(other(aclient, i)) for i in range(3)]
-        try:
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_chunk)), TIMEOUT)
-            # The leaver: a long request (it would run ~2000 steps), read a little, hang up.
-            body = {"model": MODEL, "messages": HI, "max_tokens": 2000, "temperature": 0,
-                    "stream": True, "logit_bias": NO_EOS}
-            async with httpx.AsyncClient(base_url=server.base_url, timeout=TIMEOUT) as c:
-                async with c.stream("POST", "/v1/chat/completions", json=body) as response:
-                    assert response.status_code == 200
-                    received = 0
-                    async for line in response.aiter_lines():
-                        received += line.startswith("data:")
-                        if received >= 5:
-                            break
-            # 300 tokens each vs. the leaver's 5 chunks: the others are mid-stream here.
-            assert not all(t.done() for t in others), "the others ended before the leaver"
-            results = await asyncio.wait_for(asyncio.gather(*others), TIMEOUT)
-        finally:
-            for t in others:
-                t.cancel()
-    assert results == [("length", 300)] * 3
-    after = wait_health(server, lambda h: h["running"] == 0 and h["waiting"] == 0)
-    # ~300 steps for the others; the leaver alone would have needed ~2000.
-    assert after["steps"] - before < 1000, after
-    reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=TIMEOUT,
-                       json={"messages": HI, "max_tokens": 4, "logit_bias": NO_EOS})
-    assert reply.status_code == 200
-    assert reply.json()["usage"]["completion_tokens"] == 4
-
-
-def test_non_streaming_client_that_disconnects_is_removed_from_the_batch(server):
-    before = health(server)["steps"]
-    # prompt 17 + 2000 fits the 2048 context; the full request would take ~2000 steps
-    # (several seconds). The client gives up after 0.5 s without a byte of reply.
-    body = {"model": MODEL, "messages": HI, "max_tokens": 2000, "temperature": 0,
-            "logit_bias": NO_EOS}
-    with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(10, read=0.5)) as c:
-        with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/chat/completions", json=body)
-    started = time.monotonic()
-    after = wait_health(server, lambda h: h["running"] == 0 and h["waiting"] == 0,
-                        timeout=5)
-    assert time.monotonic() - started < 5
-    assert after["steps"] - before < 1000, f"the request ran on after the client left: {after}"
-    reply = httpx.post(server.base_url + "/v1/completions", timeout=TIMEOUT,
-                       json={"prompt": "hi", "max_tokens": 3, "logit_bias": NO_EOS})
-    assert reply.json()["usage"]["completion_tokens"] == 3
 
 
 # -- models, health -----------------------------------------------------------------------

@@ -21,17 +21,19 @@ from tests.faults.harness import (
     Reply,
     assert_all_terminal,
     assert_exact,
-    assert_log_clean,
     assert_one_terminal,
     chat_body,
-    clear_failpoint,
     complete_chat,
     gather,
-    health,
     http_client,
+    stream_chat,
+)
+from tests.faults.server_watch import (
+    assert_log_clean,
+    clear_failpoint,
+    health,
     polling,
     process_exit,
-    stream_chat,
     wait_for_requests,
     wait_for_state,
 )

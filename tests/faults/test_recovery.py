@@ -16,17 +16,19 @@ from tests.faults.harness import (
     GATE,
     MALLOC,
     assert_exact,
-    assert_log_clean,
     assert_one_terminal,
     assert_serves,
     call,
     chat_body,
     gather,
-    health,
     http_client,
-    polling,
     sdk_call,
     sdk_client,
+)
+from tests.faults.server_watch import (
+    assert_log_clean,
+    health,
+    polling,
     set_failpoint,
     wait_for_requests,
 )

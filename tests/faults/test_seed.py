@@ -18,15 +18,13 @@ import pytest
 
 from tests.faults.harness import (
     Reply,
-    assert_log_clean,
     assert_one_terminal,
     assert_serves,
     complete_chat,
-    health,
     http_client,
     stream_chat,
-    wait_until,
 )
+from tests.faults.server_watch import assert_log_clean, health, wait_until
 
 pytestmark = pytest.mark.anyio
 

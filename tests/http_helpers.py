@@ -1,0 +1,86 @@
+"""Shared by the black-box HTTP tests: the tiny model's served id and tokens, clients of
+a real server, and bounded polls of its /health."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from tokenizers import Tokenizer
+
+from tests.server_process import ServerProcess
+
+MODEL = "tiny"  # the served id: the tiny model folder's name
+EOS_IDS = (0, 2)  # the tiny model's end-of-sequence tokens (<|endoftext|>, <|im_end|>)
+NO_EOS = {str(t): -100 for t in EOS_IDS}  # logit_bias that keeps a request going to max_tokens
+HI = [{"role": "user", "content": "hi"}]
+TIMEOUT = 30.0
+READY_TIMEOUT = 100.0  # a start takes ~3 s, far more on a loaded 2-core machine
+
+
+@contextmanager
+def served(tiny_model_dir: Path, log_path: Path) -> Iterator[ServerProcess]:
+    """``python -m mlx_serve`` on the tiny model, ready; stopped on the way out."""
+    proc = ServerProcess(tiny_model_dir, log_path)
+    try:
+        proc.wait_ready(READY_TIMEOUT)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def sdk_client(server: ServerProcess) -> openai.OpenAI:
+    # max_retries=0: the SDK must not hide a 429/5xx/timeout behind a silent retry.
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=TIMEOUT,
+                         max_retries=0)
+
+
+def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=TIMEOUT,
+                              max_retries=0)
+
+
+def chat_prompt_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> int:
+    """Token count of the tiny model's ChatML rendering (with the generation prompt)."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return len(tokenizer.encode(text + "<|im_start|>assistant\n").ids)
+
+
+def health(server: ServerProcess) -> dict[str, Any]:
+    response = httpx.get(server.base_url + "/health", timeout=5)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_health(server: ServerProcess, predicate: Callable[[dict[str, Any]], bool],
+                timeout: float = 10.0) -> dict[str, Any]:
+    """Poll /health until ``predicate(body)`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=server.base_url, timeout=5) as c:
+        while True:
+            body = c.get("/health").json()
+            if predicate(body):
+                return body
+            if time.monotonic() > deadline:
+                raise AssertionError(f"/health never satisfied the condition: {body}")
+            time.sleep(0.02)
+
+
+def sse_data(lines: list[str]) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order (comments and blank lines dropped)."""
+    return [line[len("data:"):].strip() for line in lines if line.startswith("data:")]
+
+
+def printable_window(text: str, start: int, size: int) -> int | None:
+    """Index >= start of ``size`` plain ASCII letters/digits/punctuation, or None."""
+    for i in range(start, len(text) - size + 1):
+        window = text[i:i + size]
+        if all(32 <= ord(ch) < 127 for ch in window) and window.strip() == window and \
+                text.index(window) == i:
+            return i
+    return None

@@ -1,0 +1,423 @@
+"""The benchmark probes: each measures what it says on a real model, process or thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from benchmarks.phase_report import by_run, format_runs, format_windows, read_windows
+
+pytestmark = pytest.mark.anyio
+
+
+def test_the_live_buffer_probe_decodes_beside_held_and_churning_buffers(tiny_model_dir):
+    from benchmarks.live_buffers import HeldBuffers, probe
+
+    rows = probe(str(tiny_model_dir), [0, 4], buffer_bytes=4096, batch=2, steps=5, churn=1)
+    assert [(r["pass"], r["buffers"]) for r in rows] == [
+        ("up", 0), ("up", 4), ("down", 4), ("down", 0)]
+    assert all(r["cpu_ms_per_step"] > 0 and r["wall_ms_per_step"] > 0 for r in rows)
+    held = HeldBuffers(4096)
+    held.resize(3)
+    first = held.arrays[0]
+    held.replace(2)  # the two oldest freed, two new ones made
+    assert len(held.arrays) == 3 and all(a is not first for a in held.arrays)
+    assert len({id(a) for a in held.arrays}) == 3
+
+
+def test_the_prefill_probe_times_the_forward_pass_and_the_newcomers_way_to_a_token(
+        tiny_model_dir, tmp_path):
+    from benchmarks import prefill_step
+
+    out = tmp_path / "prefill.json"
+    assert prefill_step.main(["--model", str(tiny_model_dir), "--prompts", "3", "--tokens", "6",
+                              "--decoding", "2", "--rounds", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["prompts"], result["decoding"], result["rounds"]) == (3, 2, 2)
+    # mlx-lm's schedule: a call that prefills, then more until the first tokens appear.
+    assert result["calls_to_first_tokens"] >= 2
+    for part in ("forward", "admitting_step", "to_first_tokens", "decode_step"):
+        assert 0 < result[part]["wall_ms_min"] <= result[part]["wall_ms_p50"]
+    # The calls up to the first tokens include the admitting one.
+    assert result["to_first_tokens"]["wall_ms_p50"] >= result["admitting_step"]["wall_ms_min"]
+
+
+def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_model_dir):
+    from benchmarks.lock_probe import probe
+
+    rows = probe(str(tiny_model_dir), [2], steps=10, prompt_tokens=8, solo_seconds=0.1)
+    assert [(r["batch"], r["spinner"]) for r in rows] == [(2, False), (2, True)] * 2
+    assert all(r["step_ms"] > 0 and 0 < r["async_eval_share"] < 1 for r in rows)
+    # The spinner made progress while MLX ran: its rate is measured, not assumed.
+    assert all(r["spinner_rate"] > 0 for r in rows if r["spinner"])
+
+
+def test_the_decode_step_comparison_times_both_steps_and_finds_the_same_tokens(
+        tiny_model_dir, tmp_path):
+    from benchmarks import decode_step
+
+    out = tmp_path / "steps.json"
+    assert decode_step.main(["--model", str(tiny_model_dir), "--batches", "3",
+                             "--steps", "4", "--rounds", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 3 and row["same_tokens"] is True
+    for name in ("mlx_lm", "one_array"):
+        assert row[name]["ms_per_step"] > 0 and row[name]["cpu_ms_per_step"] >= 0
+
+
+def test_the_layer_comparison_runs_every_layer_on_the_same_tokens(tiny_model_dir, tmp_path):
+    from benchmarks import layers
+
+    out = tmp_path / "layers.json"
+    assert layers.main(["--model", str(tiny_model_dir), "--native", "off", "--rounds", "2",
+                        "--concurrency", "2", "--requests", "3", "--prompt-tokens", "12",
+                        "--output-tokens", "6", "--run-time-limit", "60",
+                        "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["command"].startswith("python -m benchmarks.layers --model")
+    runs = result["runs"]
+    # Every layer ran in every round, the order rotating between rounds.
+    assert sorted((r["round"], r["layer"]) for r in runs) == sorted(
+        (rnd, layer) for rnd in (0, 1) for layer in layers.LAYERS)
+    n = len(layers.LAYERS)
+    assert [r["layer"] for r in runs[:n]] != [r["layer"] for r in runs[n:]]
+    # Each run decoded its own three prompts (an EOS may end one early) in counted steps.
+    assert all(3 <= r["tokens"] <= 18 for r in runs)
+    assert all(r["steps"] > 0 and r["ms_per_step"] > 0 for r in runs)
+    # The thread that stepped the batch used CPU in every run; in the harness's runs that
+    # is this thread, so no separate event-loop time is counted there.
+    assert all(r["cpu_ms_per_step"]["stepping"] > 0 for r in runs)
+    assert all(r["cpu_ms_per_step"]["main"] == 0 for r in runs if r["layer"] == "engine")
+    # The busy neighbour ran beside the harness, and only there.
+    assert all((r["neighbour_cpu_s"] or 0) > 0 for r in runs if r["layer"] == "engine-busy")
+    assert all(r["neighbour_cpu_s"] is None for r in runs if r["layer"] != "engine-busy")
+    # The stepping thread's kernel counters, per step of the run they describe.
+    assert all(r["stepping_detail"]["steps"] == r["steps"] for r in runs)
+    table = result["ratios"]
+    assert table["engine"]["ms_per_step"]["median"] == 1.0
+    assert all(table[layer]["tok_s"]["n"] == 2 for layer in layers.LAYERS)
+
+
+
+
+def test_steal_share_is_read_from_the_cpu_line_of_proc_stat(tmp_path):
+    from benchmarks.host import cpu_times, steal_share
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n")
+    before = cpu_times(stat)
+    stat.write_text("cpu  160 0 70 900 10 0 5 55 0 0\ncpu0 1 2 3\n")
+    after = cpu_times(stat)
+    assert before == (100, 0, 50, 800, 10, 0, 5, 35)
+    assert steal_share(before, after) == 0.1  # 20 stolen of 200 ticks
+    assert steal_share(None, after) is None
+    stat.write_text("intr 1 2 3\n")
+    assert cpu_times(stat) is None
+    assert cpu_times(tmp_path / "missing") is None
+
+
+def test_the_host_watch_samples_the_cpu_probe_through_a_run_and_stops_its_sampler():
+    import time
+
+    from benchmarks.host import HostWatch, describe
+
+    watch = HostWatch(period=0.05)
+    with watch:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # a run that keeps a core busy meanwhile
+            sum(range(10_000))
+    record = watch.record()
+    probe = record["cpu_probe_ms"]
+    assert probe["samples"] >= 2 and 0 < probe["p50"] <= probe["p90"]
+    assert watch._sampler.poll() is not None  # the sampler process has ended
+    assert describe(record).startswith("probe ")
+    assert describe(None) == ""
+
+
+def test_the_per_cpu_sweep_times_the_probe_on_every_allowed_vcpu(capsys):
+    import os
+
+    from benchmarks.host import main
+
+    allowed = os.sched_getaffinity(0)
+    assert main(["--per-cpu", "--count", "2", "--period", "0", "--loops", "2000"]) == 0
+    lines = capsys.readouterr().out.split("\n")[:-1]
+    assert len(lines) == 2
+    assert all(len(line.split()) == len(allowed) for line in lines)
+    assert all(0 < float(s) < 1 for line in lines for s in line.split())
+    assert os.sched_getaffinity(0) == allowed  # the sweep leaves the process unpinned
+
+
+def test_cpu_by_role_takes_per_thread_differences_and_finds_the_mlx_thread():
+    import os
+
+    from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
+
+    pid = 100
+    before = {100: ("python", 1.0), 101: ("mlx", 2.0), 105: ("mlx", 5.0),
+              107: ("python", 0.5), 109: ("python", 9.0)}
+    # 109 ended during the run; 110 started in it; 105 is a worker the MLX thread (101,
+    # the oldest of that name) started, so it inherited the name.
+    after = {100: ("python", 1.25), 101: ("mlx", 2.5), 105: ("mlx", 6.0),
+             107: ("python", 0.75), 110: ("python", 0.125)}
+    roles = cpu_by_role(pid, before, after)
+    assert roles == {"main": 0.25, "stepping": 0.5, "other": 1.0 + 0.25 + 0.125}
+    # A harness that steps in its main thread names it; it then has no "main".
+    assert cpu_by_role(pid, before, after, stepping_tid=100)["main"] == 0
+    assert cpu_by_role(pid, None, after) is None
+    summary = {"output_tokens": 250}
+    cpu_per_token_by_thread(summary, roles)
+    assert summary["cpu_ms_per_token_by_thread"] == {"main": 1.0, "stepping": 2.0,
+                                                     "other": 5.5}
+    here = thread_times()
+    assert here is not None and here[os.getpid()][1] > 0
+
+
+def test_a_threads_kernel_counters_count_its_blocking_waits():
+    import threading
+
+    from benchmarks.thread_detail import describe, per_step, read_thread
+
+    started, go, slept, done = (threading.Event() for _ in range(4))
+
+    def sleeper() -> None:
+        started.set()
+        go.wait(10)  # until the first reading is taken
+        for _ in range(20):
+            time.sleep(0.001)  # each sleep blocks: a voluntary context switch
+        slept.set()
+        done.wait(10)  # stays alive to be read again
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    assert started.wait(10)
+    before = read_thread(thread.native_id)
+    go.set()
+    assert slept.wait(10)
+    after = read_thread(thread.native_id)
+    done.set()
+    thread.join(10)
+    assert before is not None and after is not None
+    assert after["voluntary"] - before["voluntary"] >= 20
+    detail = per_step(before, after, 20)
+    assert detail is not None and detail["steps"] == 20 and detail["voluntary"] >= 1.0
+    assert describe(detail).startswith("stepping/step user ")
+    # Nothing to read: no thread, a thread that has gone, no steps.
+    assert read_thread(None) is None
+    assert read_thread(thread.native_id) is None
+    assert per_step(before, after, 0) is None and describe(None) == ""
+
+
+async def test_the_loop_watch_reports_a_loop_held_by_blocking_work(capsys):
+    from benchmarks.stalls import watch_loop
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_loop)
+            await anyio.lowlevel.checkpoint()  # the watch has started its timer
+            time.sleep(0.05)  # holds the loop: the watch's timer fires 50 ms late
+            await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    lines = [line.split() for line in capsys.readouterr().err.splitlines()]
+    late = [float(f[3]) for f in lines if f[:1] == ["mlx-serve-stall"] and f[2] == "loop"]
+    assert late and max(late) >= 40, lines
+
+
+def test_stalls_are_read_from_a_time_window_of_the_log(tmp_path):
+    from benchmarks.stalls import read_stalls
+
+    log = tmp_path / "server.log"
+    log.write_text("mlx-serve-stall 99.0 watching 0.0 \n"
+                   "INFO something else\n"
+                   "mlx-serve-stall 100.5 loop 12.0 \n"
+                   "mlx-serve-stall 101.0 loop 30.5 \n"
+                   "mlx-serve-stall 101.5 gc 14.2 gen2\n"
+                   "mlx-serve-stall 102.5 lock 80.0 \n")
+    stalls = read_stalls(log, 100.0, 102.0)
+    assert stalls == {"watched": True, "loop_max_ms": 30.5, "loop_count": 2,
+                      "lock_max_ms": 0.0, "lock_count": 0, "gc": ["gen2 14.2"]}
+
+
+def _blocks_the_loop_for_50_ms() -> None:
+    time.sleep(0.05)
+
+
+async def test_a_loop_stall_is_traced_to_the_code_that_held_the_loop(capsys):
+    import threading
+
+    from benchmarks.stalls import trace_loop, watch_loop
+
+    stop = threading.Event()
+    tracer = threading.Thread(target=trace_loop, args=(threading.get_ident(), 0.01, stop))
+    tracer.start()
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_loop)
+                await anyio.lowlevel.checkpoint()  # the watch has started its timer
+                _blocks_the_loop_for_50_ms()
+                await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+    finally:
+        stop.set()
+        tracer.join(10)
+    err = capsys.readouterr().err
+    assert " loop-trace " in err and "_blocks_the_loop_for_50_ms" in err, err
+
+
+def test_a_lock_held_in_c_makes_every_threads_stack_dumped(capfd):
+    import threading
+
+    from benchmarks.stalls import watch_lock
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_lock, args=(0.01, True, stop))
+    watcher.start()
+    err = ""
+    try:
+        for _ in range(20):  # until the watch has been armed during one of them
+            sum(range(5_000_000))  # one call into C: the lock is not handed over meanwhile
+            err += capfd.readouterr().err
+            if "Timeout" in err:
+                break
+    finally:
+        stop.set()
+        watcher.join(10)
+    err += capfd.readouterr().err
+    assert "Timeout" in err and "test_a_lock_held_in_c_makes" in err and " lock " in err, err
+
+
+def test_stall_traces_keep_a_variants_own_choice_of_dumps():
+    from benchmarks.stalls import TRACES_ENV, with_stall_log
+
+    assert with_stall_log({}, traces=True)[TRACES_ENV] == "1"  # loop traces only
+    assert with_stall_log({TRACES_ENV: "all"}, traces=True)[TRACES_ENV] == "all"
+    assert TRACES_ENV not in with_stall_log({})
+
+
+def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_dir, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MLX_PHASE_PROBE_OUT": str(tmp_path / "phases"),
+           "MLX_PHASE_PROBE_EVERY": "10",
+           "PYTHONPATH": os.pathsep.join([str(root / "benchmarks" / "phase_probe"),
+                                          str(root / "src"), str(root)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine_limit", "--model", str(tiny_model_dir),
+         "--concurrency", "2", "--num-requests", "4", "--prompt-tokens", "16",
+         "--output-tokens", "16", "--one-array-logprobs", "--early-decode-join"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (path,) = tmp_path.glob("phases.*")  # one file, named after the process
+    windows = read_windows(path)
+    # 4 requests of 16 tokens, 2 at a time: at least 16 batch steps, one line per 10.
+    assert len(windows) >= 2 and all(w["steps"] == 10 for w in windows)
+    for w in windows:
+        step = w["phases"]["BatchGenerator._next"]
+        assert step["calls"] == 1.0 and 0 < step["cpu_ms"] <= step["wall_ms"] + 0.05
+        # The inner phases are inside the step: none takes longer than it.
+        assert all(p["wall_ms"] <= step["wall_ms"] + 0.01 for p in w["phases"].values()
+                   if p["calls"] <= 1)
+    # Every step is either one that prefilled or a decode-only one; the first window
+    # has the prefills of the first prompts, and the two kinds add up to all steps.
+    for w in windows:
+        none = {"calls": 0.0, "wall_ms": 0.0}
+        kinds = [w["phases"].get(f"BatchGenerator._next ({k})", none)
+                 for k in ("prefilled", "decode only")]
+        whole = w["phases"]["BatchGenerator._next"]
+        assert abs(sum(k["calls"] for k in kinds) - 1.0) < 1e-6
+        assert abs(sum(k["wall_ms"] for k in kinds) - whole["wall_ms"]) < 0.01
+    assert windows[0]["phases"]["BatchGenerator._next (prefilled)"]["calls"] > 0
+    # The decode step ran as mlx_serve's one-array step, bound to the harness's batch,
+    # and on mlx_serve's schedule: the early move and the first tokens read after it.
+    assert any("GenerationBatch._step (one array)" in w["phases"] for w in windows)
+    assert any("early move (move_prefilled)" in w["phases"] for w in windows)
+    # Read once a step; a window closes inside a step, before that step's read.
+    reads = [w["phases"]["take_first_tokens"]["calls"] for w in windows]
+    assert reads[0] == 0.9 and all(r == 1.0 for r in reads[1:])
+    assert "BatchGenerator._next" in format_windows(windows)
+
+
+def test_the_admission_probe_splits_each_requests_first_token_in_a_real_server(
+        tiny_model_dir, tmp_path):
+    import httpx
+
+    from benchmarks.admission_report import by_run, format_runs, format_spans, read_spans
+    from tests.server_process import ServerProcess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"MLX_ADMISSION_PROBE_OUT": str(tmp_path / "admission"),
+           "PYTHONPATH": os.pathsep.join([str(root / "benchmarks" / "admission_probe"),
+                                          str(root / "src"), str(root)])}
+    server = ServerProcess(tiny_model_dir, tmp_path / "server.log", env=env)
+    try:
+        server.wait_ready()
+        started = time.time()
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            for n in range(3):
+                with client.stream("POST", "/v1/completions", json={
+                        "prompt": f"count {n}", "max_tokens": 8, "temperature": 0,
+                        "stream": True}) as reply:
+                    assert reply.status_code == 200
+                    lines = [line for line in reply.iter_lines() if line]
+                # The probe changes nothing in the reply: every request runs to its length.
+                assert lines[-1] == "data: [DONE]" and '"error"' not in "".join(lines)
+                assert any('"finish_reason": "length"' in line for line in lines)
+    finally:
+        server.stop()
+    (path,) = tmp_path.glob("admission.*")  # one process: re-executing keeps the pid
+    rows = read_spans([path])
+    # One line per request that produced text: the tiny model's greedy 8 tokens do.
+    assert len(rows) == 3
+    assert all(len(r) == 4 and all(span >= 0 for span in r[:3]) for r in rows)
+    assert "| taken -> admitting step begins |" in format_spans(rows)
+    # Each request's submission time places it inside the run that sent it.
+    results = {"runs": [{"round": 0, "concurrency": 1, "target": "mlx_serve", "result": {
+        "summary": {"span": [started, time.time()]}}}]}
+    ((name, inside),) = by_run(results, rows)
+    assert len(inside) == 3 and name == "round 0 c=1 mlx_serve"
+    assert "| round 0 c=1 mlx_serve | 3 |" in format_runs(by_run(results, rows))
+
+
+def test_the_phase_report_pools_the_windows_inside_each_runs_span():
+    def window(end: float, cpu: float) -> dict:
+        # 10 steps of 100 ms: the window covers [end - 1, end].
+        return {"time": end, "steps": 10, "wall_ms_per_step": 100.0,
+                "phases": {"BatchGenerator._next": {"calls": 1.0, "cpu_ms": cpu,
+                                                    "wall_ms": 90.0, "faults": cpu},
+                           "BatchGenerator._next (prefilled)": {
+                               "calls": 0.25, "cpu_ms": cpu / 2, "wall_ms": 45.0,
+                               "faults": 0.0}}}
+
+    windows = [window(101.0, 5.0), window(102.0, 7.0), window(103.5, 9.0), window(110.0, 1.0)]
+    results = {"runs": [
+        {"round": 0, "concurrency": 4, "target": "engine",
+         "result": {"summary": {"span": [100.0, 102.5]}}},  # the first two windows
+        {"round": 0, "concurrency": 4, "target": "mlx_serve",
+         "result": {"summary": {"span": [103.0, 109.0]}}},  # none wholly inside
+    ]}
+    (engine_name, engine), (server_name, server) = by_run(results, windows)
+    assert engine_name == "round 0 c=4 engine" and engine["steps"] == 20
+    assert engine["phases"]["BatchGenerator._next"]["cpu_ms"] == pytest.approx(6.0)
+    assert server is None
+    table = format_runs([(engine_name, engine), (server_name, server)])
+    # Columns in label order; a phase called less than once a step says how often.
+    assert "| round 0 c=4 engine | 20 | 6.00 / 90.00 / 6 | 3.00 / 45.00 / 0 (0.25 calls) |" in table
+    assert "| round 0 c=4 mlx_serve | 0 | - |" in table
+
+
+def test_the_device_touch_probe_measures_every_pattern():
+    from benchmarks.device_touch import measure, patterns
+
+    found = patterns(batch=4)
+    assert len(found) == 6
+    for fn in found.values():
+        wall, cpu, faults = measure(fn, calls=3)
+        assert wall > 0 and cpu >= 0 and faults >= 0
