@@ -5,7 +5,10 @@
 
 Each window row is one window of batch steps; each cell a phase's thread CPU ms / wall
 ms / minor faults per batch step (inclusive of the phases inside it), and its calls per
-step where that is not one. With ``--runs`` (an ``ab`` or ``env_ab`` results file), the
+step where that is not one. The probe column is what the probe's wrapper costs a call in
+that process: "own" is in each wrapped call's figures, "enclosing" in an enclosing
+phase's figures for each wrapped call inside it (a phase of N calls a step reads about
+N x own more than it costs unwrapped). With ``--runs`` (an ``ab`` or ``env_ab`` results file), the
 windows that fall inside each measured run's span are pooled into one row per run,
 whichever process wrote them (the contenders run one at a time); use short windows
 (``MLX_PHASE_PROBE_EVERY=20``) so that few straddle a run's edges, which are left out.
@@ -33,13 +36,25 @@ def _cell(p: dict[str, Any] | None) -> str:
     return cell if abs(p["calls"] - 1.0) < 0.005 else f"{cell} ({p['calls']:.2f} calls)"
 
 
+def _probe_cell(probe_us: dict[str, float] | None) -> str:
+    """The wrapper's own / enclosing wall us a call (lines from before it was measured
+    have none)."""
+    if not probe_us:
+        return "-"
+    return f"{probe_us['own_wall_us']:.1f} / {probe_us['enclosing_wall_us']:.1f}"
+
+
+PROBE_HEADER = "probe us/call (own / enclosing)"
+
+
 def format_windows(windows: list[dict[str, Any]]) -> str:
     labels = sorted({label for w in windows for label in w["phases"]})
-    lines = ["| steps | wall ms/step | " + " | ".join(labels) + " |",
-             "|---|---|" + "---|" * len(labels)]
+    lines = [f"| steps | wall ms/step | {PROBE_HEADER} | " + " | ".join(labels) + " |",
+             "|---|---|---|" + "---|" * len(labels)]
     for w in windows:
         cells = [_cell(w["phases"].get(label)) for label in labels]
-        lines.append(f"| {w['steps']} | {w['wall_ms_per_step']:.2f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {w['steps']} | {w['wall_ms_per_step']:.2f} | "
+                     f"{_probe_cell(w.get('probe_us'))} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -53,7 +68,10 @@ def pooled(windows: list[dict[str, Any]]) -> dict[str, Any]:
                                             "faults": 0.0})
             for key in acc:
                 acc[key] += p[key] * w["steps"] / steps
-    return {"steps": steps, "phases": phases}
+    probes = [w["probe_us"] for w in windows if w.get("probe_us")]
+    probe_us = ({key: sum(p[key] for p in probes) / len(probes) for key in probes[0]}
+                if probes else None)
+    return {"steps": steps, "phases": phases, "probe_us": probe_us}
 
 
 def _window_span(w: dict[str, Any]) -> tuple[float, float]:
@@ -84,13 +102,15 @@ def by_run(results: dict[str, Any], windows: list[dict[str, Any]]
 
 def format_runs(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
     labels = sorted({label for _, p in rows if p for label in p["phases"]})
-    lines = ["| run | steps | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    lines = [f"| run | steps | {PROBE_HEADER} | " + " | ".join(labels) + " |",
+             "|---|---|---|" + "---|" * len(labels)]
     for name, p in rows:
         if p is None:
-            lines.append(f"| {name} | 0 |" + " - |" * len(labels))
+            lines.append(f"| {name} | 0 | - |" + " - |" * len(labels))
             continue
         cells = [_cell(p["phases"].get(label)) for label in labels]
-        lines.append(f"| {name} | {p['steps']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {p['steps']} | {_probe_cell(p.get('probe_us'))} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -1,8 +1,8 @@
-"""The benchmark probes: each measures what it says on a real model, process or thread."""
+"""The probes put into or beside a measured process: host and per-thread CPU, loop and
+lock stalls, the phase and admission probes, device touch."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,96 +16,6 @@ import pytest
 from benchmarks.phase_report import by_run, format_runs, format_windows, read_windows
 
 pytestmark = pytest.mark.anyio
-
-
-def test_the_live_buffer_probe_decodes_beside_held_and_churning_buffers(tiny_model_dir):
-    from benchmarks.live_buffers import HeldBuffers, probe
-
-    rows = probe(str(tiny_model_dir), [0, 4], buffer_bytes=4096, batch=2, steps=5, churn=1)
-    assert [(r["pass"], r["buffers"]) for r in rows] == [
-        ("up", 0), ("up", 4), ("down", 4), ("down", 0)]
-    assert all(r["cpu_ms_per_step"] > 0 and r["wall_ms_per_step"] > 0 for r in rows)
-    held = HeldBuffers(4096)
-    held.resize(3)
-    first = held.arrays[0]
-    held.replace(2)  # the two oldest freed, two new ones made
-    assert len(held.arrays) == 3 and all(a is not first for a in held.arrays)
-    assert len({id(a) for a in held.arrays}) == 3
-
-
-def test_the_prefill_probe_times_the_forward_pass_and_the_newcomers_way_to_a_token(
-        tiny_model_dir, tmp_path):
-    from benchmarks import prefill_step
-
-    out = tmp_path / "prefill.json"
-    assert prefill_step.main(["--model", str(tiny_model_dir), "--prompts", "3", "--tokens", "6",
-                              "--decoding", "2", "--rounds", "2", "--json", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert (result["prompts"], result["decoding"], result["rounds"]) == (3, 2, 2)
-    # mlx-lm's schedule: a call that prefills, then more until the first tokens appear.
-    assert result["calls_to_first_tokens"] >= 2
-    for part in ("forward", "admitting_step", "to_first_tokens", "decode_step"):
-        assert 0 < result[part]["wall_ms_min"] <= result[part]["wall_ms_p50"]
-    # The calls up to the first tokens include the admitting one.
-    assert result["to_first_tokens"]["wall_ms_p50"] >= result["admitting_step"]["wall_ms_min"]
-
-
-def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_model_dir):
-    from benchmarks.lock_probe import probe
-
-    rows = probe(str(tiny_model_dir), [2], steps=10, prompt_tokens=8, solo_seconds=0.1)
-    assert [(r["batch"], r["spinner"]) for r in rows] == [(2, False), (2, True)] * 2
-    assert all(r["step_ms"] > 0 and 0 < r["async_eval_share"] < 1 for r in rows)
-    # The spinner made progress while MLX ran: its rate is measured, not assumed.
-    assert all(r["spinner_rate"] > 0 for r in rows if r["spinner"])
-
-
-def test_the_decode_step_comparison_times_both_steps_and_finds_the_same_tokens(
-        tiny_model_dir, tmp_path):
-    from benchmarks import decode_step
-
-    out = tmp_path / "steps.json"
-    assert decode_step.main(["--model", str(tiny_model_dir), "--batches", "3",
-                             "--steps", "4", "--rounds", "1", "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["batch"] == 3 and row["same_tokens"] is True
-    for name in ("mlx_lm", "one_array"):
-        assert row[name]["ms_per_step"] > 0 and row[name]["cpu_ms_per_step"] >= 0
-
-
-def test_the_layer_comparison_runs_every_layer_on_the_same_tokens(tiny_model_dir, tmp_path):
-    from benchmarks import layers
-
-    out = tmp_path / "layers.json"
-    assert layers.main(["--model", str(tiny_model_dir), "--native", "off", "--rounds", "2",
-                        "--concurrency", "2", "--requests", "3", "--prompt-tokens", "12",
-                        "--output-tokens", "6", "--run-time-limit", "60",
-                        "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["meta"]["command"].startswith("python -m benchmarks.layers --model")
-    runs = result["runs"]
-    # Every layer ran in every round, the order rotating between rounds.
-    assert sorted((r["round"], r["layer"]) for r in runs) == sorted(
-        (rnd, layer) for rnd in (0, 1) for layer in layers.LAYERS)
-    n = len(layers.LAYERS)
-    assert [r["layer"] for r in runs[:n]] != [r["layer"] for r in runs[n:]]
-    # Each run decoded its own three prompts (an EOS may end one early) in counted steps.
-    assert all(3 <= r["tokens"] <= 18 for r in runs)
-    assert all(r["steps"] > 0 and r["ms_per_step"] > 0 for r in runs)
-    # The thread that stepped the batch used CPU in every run; in the harness's runs that
-    # is this thread, so no separate event-loop time is counted there.
-    assert all(r["cpu_ms_per_step"]["stepping"] > 0 for r in runs)
-    assert all(r["cpu_ms_per_step"]["main"] == 0 for r in runs if r["layer"] == "engine")
-    # The busy neighbour ran beside the harness, and only there.
-    assert all((r["neighbour_cpu_s"] or 0) > 0 for r in runs if r["layer"] == "engine-busy")
-    assert all(r["neighbour_cpu_s"] is None for r in runs if r["layer"] != "engine-busy")
-    # The stepping thread's kernel counters, per step of the run they describe.
-    assert all(r["stepping_detail"]["steps"] == r["steps"] for r in runs)
-    table = result["ratios"]
-    assert table["engine"]["ms_per_step"]["median"] == 1.0
-    assert all(table[layer]["tok_s"]["n"] == 2 for layer in layers.LAYERS)
-
-
 
 
 def test_steal_share_is_read_from_the_cpu_line_of_proc_stat(tmp_path):
@@ -342,7 +252,15 @@ def test_the_phase_probe_reports_the_engine_harness_phases_per_step(tiny_model_d
     # Read once a step; a window closes inside a step, before that step's read.
     reads = [w["phases"]["take_first_tokens"]["calls"] for w in windows]
     assert reads[0] == 0.9 and all(r == 1.0 for r in reads[1:])
-    assert "BatchGenerator._next" in format_windows(windows)
+    # What the wrapper costs a call, measured once on the stepping thread: a wrapped
+    # call's own figures hold part of it, an enclosing phase's all of it.
+    probe = windows[0]["probe_us"]
+    assert all(w["probe_us"] == probe for w in windows)
+    assert 0 < probe["own_wall_us"] < probe["enclosing_wall_us"] < 1000
+    assert 0 <= probe["own_cpu_us"] and 0 < probe["enclosing_cpu_us"]
+    table = format_windows(windows)
+    assert "BatchGenerator._next" in table and "probe us/call (own / enclosing)" in table
+    assert f"| {probe['own_wall_us']:.1f} / {probe['enclosing_wall_us']:.1f} |" in table
 
 
 def test_the_admission_probe_splits_each_requests_first_token_in_a_real_server(
@@ -397,6 +315,11 @@ def test_the_phase_report_pools_the_windows_inside_each_runs_span():
                                "faults": 0.0}}}
 
     windows = [window(101.0, 5.0), window(102.0, 7.0), window(103.5, 9.0), window(110.0, 1.0)]
+    # The wrapper's cost a call, as each process measured it (older lines have none).
+    windows[0]["probe_us"] = {"own_cpu_us": 1.0, "own_wall_us": 1.0,
+                              "enclosing_cpu_us": 2.0, "enclosing_wall_us": 2.0}
+    windows[1]["probe_us"] = {"own_cpu_us": 3.0, "own_wall_us": 3.0,
+                              "enclosing_cpu_us": 6.0, "enclosing_wall_us": 6.0}
     results = {"runs": [
         {"round": 0, "concurrency": 4, "target": "engine",
          "result": {"summary": {"span": [100.0, 102.5]}}},  # the first two windows
@@ -409,8 +332,10 @@ def test_the_phase_report_pools_the_windows_inside_each_runs_span():
     assert server is None
     table = format_runs([(engine_name, engine), (server_name, server)])
     # Columns in label order; a phase called less than once a step says how often.
-    assert "| round 0 c=4 engine | 20 | 6.00 / 90.00 / 6 | 3.00 / 45.00 / 0 (0.25 calls) |" in table
-    assert "| round 0 c=4 mlx_serve | 0 | - |" in table
+    assert ("| round 0 c=4 engine | 20 | 2.0 / 4.0 | 6.00 / 90.00 / 6 | "
+            "3.00 / 45.00 / 0 (0.25 calls) |") in table
+    assert "| round 0 c=4 mlx_serve | 0 | - | - | - |" in table
+    assert "| 10 | 100.00 | - |" in format_windows(windows[2:])
 
 
 def test_the_device_touch_probe_measures_every_pattern():

@@ -1,4 +1,6 @@
-"""The benchmark tools measure a real server: load generator, /health probe, env A/B."""
+"""The benchmark tools on a real server or engine: load generator, /health probe, A/B
+runners, and the in-process comparisons (layers, decode step, prefill, lock, live
+buffers, text cost)."""
 
 from __future__ import annotations
 
@@ -261,3 +263,102 @@ def test_saved_ab_runs_are_reprinted_and_pooled_round_by_round(tmp_path, capsys)
     assert "every round of the 2 runs above, pooled:" in out
     assert "| 1 | output tok/s | 0.70 [0.50-0.90] |" in out
     assert out.count("c=1") == 6  # --runs lists all six runs
+
+
+def test_the_live_buffer_probe_decodes_beside_held_and_churning_buffers(tiny_model_dir):
+    from benchmarks.live_buffers import HeldBuffers, probe
+
+    rows = probe(str(tiny_model_dir), [0, 4], buffer_bytes=4096, batch=2, steps=5, churn=1)
+    assert [(r["pass"], r["buffers"]) for r in rows] == [
+        ("up", 0), ("up", 4), ("down", 4), ("down", 0)]
+    assert all(r["cpu_ms_per_step"] > 0 and r["wall_ms_per_step"] > 0 for r in rows)
+    held = HeldBuffers(4096)
+    held.resize(3)
+    first = held.arrays[0]
+    held.replace(2)  # the two oldest freed, two new ones made
+    assert len(held.arrays) == 3 and all(a is not first for a in held.arrays)
+    assert len({id(a) for a in held.arrays}) == 3
+
+
+def test_the_prefill_probe_times_the_forward_pass_and_the_newcomers_way_to_a_token(
+        tiny_model_dir, tmp_path):
+    from benchmarks import prefill_step
+
+    out = tmp_path / "prefill.json"
+    assert prefill_step.main(["--model", str(tiny_model_dir), "--prompts", "3", "--tokens", "6",
+                              "--decoding", "2", "--rounds", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["prompts"], result["decoding"], result["rounds"]) == (3, 2, 2)
+    # mlx-lm's schedule: a call that prefills, then more until the first tokens appear.
+    assert result["calls_to_first_tokens"] >= 2
+    for part in ("forward", "admitting_step", "to_first_tokens", "decode_step"):
+        assert 0 < result[part]["wall_ms_min"] <= result[part]["wall_ms_p50"]
+    # The calls up to the first tokens include the admitting one.
+    assert result["to_first_tokens"]["wall_ms_p50"] >= result["admitting_step"]["wall_ms_min"]
+
+
+def test_the_lock_probe_times_decoding_alone_and_beside_a_spinning_thread(tiny_model_dir):
+    from benchmarks.lock_probe import probe
+
+    rows = probe(str(tiny_model_dir), [2], steps=10, prompt_tokens=8, solo_seconds=0.1)
+    assert [(r["batch"], r["spinner"]) for r in rows] == [(2, False), (2, True)] * 2
+    assert all(r["step_ms"] > 0 and 0 < r["async_eval_share"] < 1 for r in rows)
+    # The spinner made progress while MLX ran: its rate is measured, not assumed.
+    assert all(r["spinner_rate"] > 0 for r in rows if r["spinner"])
+
+
+def test_the_decode_step_comparison_times_both_steps_and_finds_the_same_tokens(
+        tiny_model_dir, tmp_path):
+    from benchmarks import decode_step
+
+    out = tmp_path / "steps.json"
+    assert decode_step.main(["--model", str(tiny_model_dir), "--batches", "3",
+                             "--steps", "4", "--rounds", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 3 and row["same_tokens"] is True
+    for name in ("mlx_lm", "one_array"):
+        assert row[name]["ms_per_step"] > 0 and row[name]["cpu_ms_per_step"] >= 0
+
+
+def test_the_layer_comparison_runs_every_layer_on_the_same_tokens(tiny_model_dir, tmp_path):
+    from benchmarks import layers
+
+    out = tmp_path / "layers.json"
+    assert layers.main(["--model", str(tiny_model_dir), "--native", "off", "--rounds", "2",
+                        "--concurrency", "2", "--requests", "3", "--prompt-tokens", "12",
+                        "--output-tokens", "6", "--run-time-limit", "60",
+                        "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["command"].startswith("python -m benchmarks.layers --model")
+    runs = result["runs"]
+    # Every layer ran in every round, the order rotating between rounds.
+    assert sorted((r["round"], r["layer"]) for r in runs) == sorted(
+        (rnd, layer) for rnd in (0, 1) for layer in layers.LAYERS)
+    n = len(layers.LAYERS)
+    assert [r["layer"] for r in runs[:n]] != [r["layer"] for r in runs[n:]]
+    # Each run decoded its own three prompts (an EOS may end one early) in counted steps.
+    assert all(3 <= r["tokens"] <= 18 for r in runs)
+    assert all(r["steps"] > 0 and r["ms_per_step"] > 0 for r in runs)
+    # The thread that stepped the batch used CPU in every run; in the harness's runs that
+    # is this thread, so no separate event-loop time is counted there.
+    assert all(r["cpu_ms_per_step"]["stepping"] > 0 for r in runs)
+    assert all(r["cpu_ms_per_step"]["main"] == 0 for r in runs if r["layer"] == "engine")
+    # The busy neighbour ran beside the harness, and only there.
+    assert all((r["neighbour_cpu_s"] or 0) > 0 for r in runs if r["layer"] == "engine-busy")
+    assert all(r["neighbour_cpu_s"] is None for r in runs if r["layer"] != "engine-busy")
+    # The stepping thread's kernel counters, per step of the run they describe.
+    assert all(r["stepping_detail"]["steps"] == r["steps"] for r in runs)
+    table = result["ratios"]
+    assert table["engine"]["ms_per_step"]["median"] == 1.0
+    assert all(table[layer]["tok_s"]["n"] == 2 for layer in layers.LAYERS)
+
+
+def test_the_text_cost_times_each_tokens_text_for_every_stream(tiny_model_dir):
+    from benchmarks.text_cost import measure
+
+    result = measure(tiny_model_dir, streams=3, tokens=5, rounds=2)
+    assert result["detokenizer"] == "BPEStreamingDetokenizer"
+    assert len(result["rounds"]) == 2
+    for run in result["rounds"]:
+        assert run["calls"] == 15 and run["chars"] > 0
+        assert 0 < run["cpu_us_per_token"] and 0 < run["wall_us_per_token"]

@@ -4,10 +4,12 @@ Put this folder first on ``PYTHONPATH`` and set ``MLX_PHASE_PROBE_OUT=PATH``: th
 (a server, or the engine harness) then wraps mlx-lm's batch phases and mlx_serve's
 runner phases, and every ``MLX_PHASE_PROBE_EVERY`` (default 200) batch steps appends one
 JSON line to ``PATH.<pid>``: per batch step, each phase's calls, thread CPU ms, wall ms
-and minor page faults (``getrusage(RUSAGE_THREAD)``), inclusive of the phases inside it.
+and minor page faults (``getrusage(RUSAGE_THREAD)``), inclusive of the phases inside it,
+and what the wrapper itself costs a call on that host (``probe_us``).
 The whole step is also split into the steps that prefilled prompts and the decode-only
 ones. ``python -m benchmarks.phase_report PATH.*`` prints them. Each wrapped call costs a
-few microseconds: fine beside steps of milliseconds, visible on a tiny model's.
+few microseconds (``probe_us``): fine beside steps of milliseconds, visible on a tiny
+model's and in a phase made of many short calls.
 """
 
 import os
@@ -26,6 +28,7 @@ class _Probe:
         self.seen: dict[str, list[int]] = {}  # the totals at the last write
         self.clock = time.time()
         self.prefilled = False  # whether the step under way processed prompt tokens
+        self.overhead: dict[str, float] | None = None  # calibrated at the first write
 
     def wrap(self, owner: object, name: str, label: str) -> None:
         import resource
@@ -124,11 +127,39 @@ class _Probe:
 
         gen.BatchGenerator._next = counted_next
 
+    def calibrate(self, calls: int = 1000) -> dict[str, float]:
+        """What the wrapper costs a call on this thread, in microseconds.
+
+        ``own``: what a wrapped call's own figures include beyond the call (part of the
+        clock reads); ``enclosing``: what each wrapped call inside a phase adds to that
+        phase's figures (all four clock reads and the bookkeeping). Reading a thread's
+        CPU clock and page faults is a system call, whose cost varies between hosts.
+        """
+        import time
+        import types
+
+        scratch = _Probe(self.out, 0)
+        holder = types.SimpleNamespace(noop=lambda: None)
+        scratch.wrap(holder, "noop", "noop")
+        cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
+        for _ in range(calls):
+            holder.noop()
+        cpu, wall = time.thread_time_ns() - cpu, time.perf_counter_ns() - wall
+        own = scratch.totals["noop"]
+        return {"own_cpu_us": round(own[1] / calls / 1e3, 3),
+                "own_wall_us": round(own[2] / calls / 1e3, 3),
+                "enclosing_cpu_us": round(cpu / calls / 1e3, 3),
+                "enclosing_wall_us": round(wall / calls / 1e3, 3)}
+
     def write(self, steps: int) -> None:
-        """One line: each phase's calls, CPU, wall and faults per step since the last."""
+        """One line: each phase's calls, CPU, wall and faults per step since the last,
+        and what the probe's wrapper costs a call (measured once, on the stepping
+        thread, before the first line)."""
         import json
         import time
 
+        if self.overhead is None:
+            self.overhead = self.calibrate()
         now = time.time()
         phases = {}
         for label, t in self.totals.items():
@@ -141,7 +172,7 @@ class _Probe:
         with open(f"{self.out}.{os.getpid()}", "a") as fh:
             fh.write(json.dumps({"time": round(now, 3), "steps": steps,
                                  "wall_ms_per_step": round((now - self.clock) / steps * 1e3, 3),
-                                 "phases": phases}) + "\n")
+                                 "phases": phases, "probe_us": self.overhead}) + "\n")
         self.seen.update({k: list(v) for k, v in self.totals.items()})
         self.clock = now
 
