@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from tokenizers import Tokenizer
 
 from tests.server_process import ServerProcess
@@ -32,6 +33,30 @@ def served(tiny_model_dir: Path, log_path: Path) -> Iterator[ServerProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+def server_fixture(name: str) -> Any:
+    """A module's ``server`` fixture: one tiny-model server for the module's tests, its
+    log under a temporary folder named ``name``."""
+
+    @pytest.fixture(scope="module")
+    def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[ServerProcess]:
+        with served(tiny_model_dir, tmp_path_factory.mktemp(name) / "server.log") as proc:
+            yield proc
+
+    return server
+
+
+def client_fixture() -> Any:
+    """A module's ``client`` fixture: the sync SDK on the module's ``server``."""
+
+    @pytest.fixture
+    def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+        with sdk_client(server) as c:
+            yield c
+
+    return client
 
 
 def sdk_client(server: ServerProcess) -> openai.OpenAI:

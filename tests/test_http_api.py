@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from tokenizers import Tokenizer
 
@@ -24,26 +22,15 @@ from tests.http_helpers import (
     NO_EOS,
     TIMEOUT,
     chat_prompt_tokens,
+    client_fixture,
     health,
     printable_window,
-    sdk_client,
-    served,
+    server_fixture,
     sse_data,
 )
-from tests.server_process import ServerProcess
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-        ServerProcess]:
-    with served(tiny_model_dir, tmp_path_factory.mktemp("http_api") / "server.log") as proc:
-        yield proc
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with sdk_client(server) as c:
-        yield c
+server = server_fixture("http_api")
+client = client_fixture()
 
 
 @pytest.fixture(scope="module")

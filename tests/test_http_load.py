@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,26 +19,14 @@ from tests.http_helpers import (
     NO_EOS,
     TIMEOUT,
     async_client,
+    client_fixture,
     health,
-    sdk_client,
-    served,
+    server_fixture,
     wait_health,
 )
-from tests.server_process import ServerProcess
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-        ServerProcess]:
-    with served(tiny_model_dir, tmp_path_factory.mktemp("http_load") / "server.log") as proc:
-        yield proc
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with sdk_client(server) as c:
-        yield c
-
+server = server_fixture("http_load")
+client = client_fixture()
 
 PROMPTS = [f"Question {i}: why is the sky blue? Answer:" for i in range(16)]
 
