@@ -21,6 +21,7 @@ from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Delta, GenerationRequest, StepOutcome
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
+from mlx_serve.runner.detokenizer import streaming_detokenizers
 from mlx_serve.runner.early_split import (
     drop_handed_back,
     mark_sent_ahead,
@@ -96,6 +97,7 @@ class Runner:
             tokenizer, "has_tool_calling", False)
         self._text_machine = make_text_state_machine(tokenizer) if has_markers else None
         self.token_texts = TokenTexts(tokenizer)
+        self._new_detokenizer = streaming_detokenizers(tokenizer)  # one per request
         self._live: dict[str, _Live] = {}
         self._by_uid: dict[int, _Live] = {}
         self._broken = False  # the last step failed: nothing steps until a rebuild
@@ -269,7 +271,7 @@ class Runner:
             log.exception("closing the old batch generator failed")
 
     def _new_live(self, request: GenerationRequest) -> _Live:
-        text = TextPipeline(self.tokenizer.detokenizer, request, self._text_machine)
+        text = TextPipeline(self._new_detokenizer(), request, self._text_machine)
         return _Live(request, text)
 
     def _admit(self, request: GenerationRequest) -> tuple[str, Exception] | None:

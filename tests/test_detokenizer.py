@@ -1,0 +1,90 @@
+"""The tabled BPE detokenizer gives exactly mlx-lm's text, segment by segment."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, NaiveStreamingDetokenizer
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
+from mlx_serve.runner.detokenizer import TabledBPEStreamingDetokenizer, streaming_detokenizers
+from mlx_serve.runner.text import TextPipeline
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    return load_tokenizer(tiny_model_dir)
+
+
+def _segments(detokenizer, ids: list[int]) -> tuple[list[str], str, list[int]]:
+    """Each token's new text, then what finalize adds; the whole text; the tokens."""
+    out = []
+    for token in ids:
+        detokenizer.add_token(token)
+        out.append(detokenizer.last_segment)
+    detokenizer.finalize()
+    out.append(detokenizer.last_segment)
+    return out, detokenizer.text, detokenizer.tokens
+
+
+def test_random_streams_detokenize_exactly_as_mlx_lm(tokenizer):
+    make = streaming_detokenizers(tokenizer)
+    assert isinstance(make(), TabledBPEStreamingDetokenizer)
+    vocab = len(tokenizer._detokenizer.tokenmap)
+    space = tokenizer._detokenizer.tokenmap.index("Ġ")  # the lone space mlx-lm holds
+    rng = random.Random(0)
+    held_back = 0
+    for _ in range(400):
+        # Whole tokens, the byte-level ones that split UTF-8 characters (the tiny
+        # vocabulary's first 256 ids), lone spaces, special tokens and ids past the map.
+        ids = [rng.choice([rng.randrange(vocab), rng.randrange(3, 259), space,
+                           rng.randrange(3), vocab + rng.randrange(3)])
+               for _ in range(rng.randrange(1, 40))]
+        ours, theirs = _segments(make(), ids), _segments(tokenizer.detokenizer, ids)
+        assert ours == theirs, ids
+        held_back += any(s == "" for s in theirs[0])
+    assert held_back > 100  # the streams did hold text back, not only whole tokens
+
+
+def test_each_request_gets_its_own_state(tokenizer):
+    make = streaming_detokenizers(tokenizer)
+    first, second = make(), make()
+    first.add_token(300)
+    assert first.tokens == [300] and second.tokens == [] and second.text == ""
+    first.reset()
+    assert first.tokens == [] and first.text == "" and first._pending == b""
+
+
+def test_a_completion_keeps_its_leading_space_as_with_mlx_lm(tokenizer):
+    # Completions keep the first token's leading space (TextPipeline patches the
+    # detokenizer); chat replies drop it. Both exactly as on mlx-lm's detokenizer.
+    space_word = next(i for i, v in enumerate(tokenizer._detokenizer.tokenmap)
+                      if v.startswith("Ġ") and len(v) > 2)
+    ids = [space_word, 300, space_word]
+    make = streaming_detokenizers(tokenizer)
+    for keep in (True, False):
+        request = GenerationRequest("r", (1,), SamplingParams(max_tokens=3), None, 0,
+                                    OutputOptions(keep_leading_space=keep))
+        texts = []
+        for detokenizer in (make(), tokenizer.detokenizer):
+            pipe = TextPipeline(detokenizer, request, None)
+            texts.append("".join(pipe.advance(t, "length" if i == 2 else None).content
+                                 for i, t in enumerate(ids)))
+        assert texts[0] == texts[1]
+        assert texts[0].startswith(" ") is keep
+
+
+def test_other_detokenizers_are_mlx_lms_own(tokenizer):
+    class Wrapper:  # a tokenizer whose streaming detokenizer is not the BPE one
+        _detokenizer = NaiveStreamingDetokenizer(tokenizer._tokenizer)
+
+        @property
+        def detokenizer(self):
+            return NaiveStreamingDetokenizer(tokenizer._tokenizer)
+
+    made = streaming_detokenizers(Wrapper())()
+    assert type(made) is NaiveStreamingDetokenizer
+    assert not isinstance(made, BPEStreamingDetokenizer)
