@@ -357,8 +357,10 @@ def test_the_text_cost_times_each_tokens_text_for_every_stream(tiny_model_dir):
     from benchmarks.text_cost import measure
 
     result = measure(tiny_model_dir, streams=3, tokens=5, rounds=2)
-    assert result["detokenizer"] == "BPEStreamingDetokenizer"
-    assert len(result["rounds"]) == 2
-    for run in result["rounds"]:
-        assert run["calls"] == 15 and run["chars"] > 0
-        assert 0 < run["cpu_us_per_token"] and 0 < run["wall_us_per_token"]
+    assert result["detokenizer"] == "TabledBPEStreamingDetokenizer"
+    assert result["mlx_lm_detokenizer"] == "BPEStreamingDetokenizer"
+    assert len(result["rounds"]) == len(result["mlx_lm_rounds"]) == 2
+    for ours, theirs in zip(result["rounds"], result["mlx_lm_rounds"], strict=True):
+        assert ours["calls"] == theirs["calls"] == 15
+        assert ours["chars"] == theirs["chars"] > 0  # the same text either way
+        assert 0 < ours["cpu_us_per_token"] and 0 < ours["wall_us_per_token"]
