@@ -19,12 +19,15 @@ def tokenizer(tiny_model_dir: Path):
     return load_tokenizer(tiny_model_dir)
 
 
-def _segments(detokenizer, ids: list[int]) -> tuple[list[str], str, list[int]]:
-    """Each token's new text, then what finalize adds; the whole text; the tokens."""
+def _segments(detokenizer, ids: list[int], every: int = 1
+              ) -> tuple[list[str], str, list[int]]:
+    """The new text read every ``every`` tokens, then what finalize adds; the whole
+    text; the tokens."""
     out = []
-    for token in ids:
+    for i, token in enumerate(ids):
         detokenizer.add_token(token)
-        out.append(detokenizer.last_segment)
+        if i % every == every - 1:
+            out.append(detokenizer.last_segment)
     detokenizer.finalize()
     out.append(detokenizer.last_segment)
     return out, detokenizer.text, detokenizer.tokens
@@ -43,10 +46,22 @@ def test_random_streams_detokenize_exactly_as_mlx_lm(tokenizer):
         ids = [rng.choice([rng.randrange(vocab), rng.randrange(3, 259), space,
                            rng.randrange(3), vocab + rng.randrange(3)])
                for _ in range(rng.randrange(1, 40))]
-        ours, theirs = _segments(make(), ids), _segments(tokenizer.detokenizer, ids)
-        assert ours == theirs, ids
+        every = rng.choice([1, 1, 2, 5])  # the runner reads after every token
+        ours = _segments(make(), ids, every)
+        theirs = _segments(tokenizer.detokenizer, ids, every)
+        assert ours == theirs, (ids, every)
         held_back += any(s == "" for s in theirs[0])
     assert held_back > 100  # the streams did hold text back, not only whole tokens
+
+
+def test_a_long_reply_reads_the_same_text_piece_by_piece_and_whole(tokenizer):
+    # The text is kept in pieces; what the segments add up to is the whole text.
+    rng = random.Random(1)
+    ids = [rng.randrange(3, 512) for _ in range(3000)]
+    ours, theirs = _segments(streaming_detokenizers(tokenizer)(), ids), \
+        _segments(tokenizer.detokenizer, ids)
+    assert ours == theirs
+    assert "".join(ours[0]) == ours[1] and len(ours[1]) > 3000
 
 
 def test_each_request_gets_its_own_state(tokenizer):
@@ -55,7 +70,7 @@ def test_each_request_gets_its_own_state(tokenizer):
     first.add_token(300)
     assert first.tokens == [300] and second.tokens == [] and second.text == ""
     first.reset()
-    assert first.tokens == [] and first.text == "" and first._pending == b""
+    assert first.tokens == [] and first.text == "" and first.last_segment == ""
 
 
 def test_a_completion_keeps_its_leading_space_as_with_mlx_lm(tokenizer):

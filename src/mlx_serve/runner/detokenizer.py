@@ -6,8 +6,8 @@ character at a time (a dict lookup and a bytearray append each) on every token; 
 most of a token's text cost (about 1.9 of 2.7 us on the CPU machine, SmolLM2's
 tokenizer). Here each token's bytes, and whether it is the lone space that mlx-lm holds
 back, are computed once per tokenizer with mlx-lm's own rules, and a token costs one
-bytes concatenation and one decode. Everything else, and the text, is mlx-lm's:
-``finalize`` is its own, and the held-back text is kept as it keeps it.
+bytes concatenation and one decode. The rules are mlx-lm's, line for line (the tests
+compare the two on random streams); only the tables and the way the text is kept differ.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
     """Gives exactly the text of mlx-lm's ``BPEStreamingDetokenizer``, faster.
 
     Built once from an existing one (sharing its token map); ``fresh()`` makes the
-    per-request copies, as mlx-lm's ``TokenizerWrapper.detokenizer`` does.
+    per-request copies, as mlx-lm's ``TokenizerWrapper.detokenizer`` does. The text is
+    kept as a list of pieces: mlx-lm's ``self.text += piece`` copies the whole reply on
+    every token, a cost that grows with its length (2x a token's at 8,192 tokens).
+    ``last_segment`` joins only the pieces not yet read; ``text`` joins them all.
     """
 
     # Per token id: its text in the token map, its bytes, and whether it is the lone
@@ -53,7 +56,7 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
     def from_detokenizer(cls, prototype: BPEStreamingDetokenizer
                          ) -> TabledBPEStreamingDetokenizer:
         made = cls.__new__(cls)
-        made.__dict__.update(prototype.__dict__)  # the token map, and any settings
+        made.tokenmap = prototype.tokenmap
         decoder = _byte_decoder()
         made._entries = tuple((v, _token_bytes(v, decoder),
                                len(v) == 1 and decoder.get(v[0]) == 32)
@@ -67,8 +70,37 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
         return made
 
     def reset(self) -> None:
-        super().reset()
-        self._pending = b""
+        self.offset = 0
+        self.tokens = []
+        self._unflushed = ""  # the held-back tokens' text, as mlx-lm keeps it
+        self._pending = b""  # ... and their bytes
+        self._pieces: list[str] = []
+        self._read = 0  # pieces already handed out by last_segment
+        self._length = 0  # characters of text so far
+
+    @property
+    def text(self) -> str:  # type: ignore[override]  # mlx-lm's is a plain attribute
+        return "".join(self._pieces)
+
+    @property
+    def last_segment(self) -> str:
+        pieces, read = self._pieces, self._read
+        count = len(pieces)
+        if read == count:
+            return ""
+        self._read, self.offset = count, self._length
+        return pieces[read] if read == count - 1 else "".join(pieces[read:])
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self._length += len(piece)
+
+    def _maybe_trim_space(self, current_text: str) -> str:
+        # mlx-lm's: a reply's first text loses its leading space.
+        if current_text[:1] == " " and not self._length:
+            return current_text[1:]
+        return current_text
 
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
@@ -83,12 +115,18 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
         if hold or text.endswith("\ufffd"):
             self._pending = pending
         else:
-            self.text += self._maybe_trim_space(text)
+            if text := self._maybe_trim_space(text):  # _emit, inline: once a token
+                self._pieces.append(text)
+                self._length += len(text)
             self._unflushed = ""
             self._pending = b""
 
     def finalize(self) -> None:
-        super().finalize()
+        # mlx-lm's: the held-back text through the byte table, as it stands.
+        decoder = _byte_decoder()
+        current = bytearray(decoder[c] for c in self._unflushed).decode("utf-8", "replace")
+        self._emit(self._maybe_trim_space(current))
+        self._unflushed = ""
         self._pending = b""
 
 
