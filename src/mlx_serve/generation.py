@@ -69,9 +69,14 @@ class TokenLogprob:
     top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delta:
-    """New output of one request in one step. The last one carries ``finish_reason``."""
+    """New output of one request in one step. The last one carries ``finish_reason``.
+
+    Not frozen, unlike the values around it, but never changed once made: one is built
+    for every token of every stream on the MLX thread, and a frozen dataclass's
+    ``__init__`` (a ``object.__setattr__`` call a field) took 0.89 us against 0.17.
+    """
 
     text: str
     token_count: int
