@@ -103,3 +103,10 @@ def test_other_detokenizers_are_mlx_lms_own(tokenizer):
     made = streaming_detokenizers(Wrapper())()
     assert type(made) is NaiveStreamingDetokenizer
     assert not isinstance(made, BPEStreamingDetokenizer)
+
+
+def test_another_mlx_lm_release_keeps_its_own_detokenizer(tokenizer, monkeypatch):
+    import mlx_lm
+
+    monkeypatch.setattr(mlx_lm, "__version__", "0.32.99")
+    assert type(streaming_detokenizers(tokenizer)()) is BPEStreamingDetokenizer

@@ -6,8 +6,10 @@ character at a time (a dict lookup and a bytearray append each) on every token; 
 most of a token's text cost (about 1.9 of 2.7 us on the CPU machine, SmolLM2's
 tokenizer). Here each token's bytes, and whether it is the lone space that mlx-lm holds
 back, are computed once per tokenizer with mlx-lm's own rules, and a token costs one
-bytes concatenation and one decode. The rules are mlx-lm's, line for line (the tests
-compare the two on random streams); only the tables and the way the text is kept differ.
+bytes concatenation and one decode. The rules are mlx-lm's, line for line, as of the
+release ``decode_step`` mirrors (the tests compare the two on random streams; with any
+other mlx-lm its own detokenizer is used); only the tables and the way the text is kept
+differ.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import copy
 from typing import Any
 
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+from mlx_serve.runner.decode_step import mirrors_installed_mlx_lm
 
 try:  # mlx-lm's own byte table (private: without it, its detokenizer is used as it is)
     from mlx_lm.tokenizer_utils import _byte_decoder
@@ -132,8 +136,10 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
 
 def streaming_detokenizers(tokenizer: Any) -> Any:
     """A callable that makes a fresh streaming detokenizer per request: the tabled one
-    where the tokenizer's is exactly mlx-lm's BPE detokenizer, else mlx-lm's own."""
+    where the tokenizer's is exactly mlx-lm's BPE detokenizer of the release whose rules
+    it mirrors, else mlx-lm's own."""
     prototype = getattr(tokenizer, "_detokenizer", None)
-    if _byte_decoder is not None and type(prototype) is BPEStreamingDetokenizer:
+    if (_byte_decoder is not None and type(prototype) is BPEStreamingDetokenizer
+            and mirrors_installed_mlx_lm("BPE streaming detokenizer")):
         return TabledBPEStreamingDetokenizer.from_detokenizer(prototype).fresh
     return lambda: tokenizer.detokenizer
