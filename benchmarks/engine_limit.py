@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TextIO
+from typing import Any, TextIO
 
 from benchmarks.host import HostWatch
 from benchmarks.metrics import (
@@ -155,6 +155,7 @@ class EngineHarness:
         unless one would end its request; the same tokens handed back by the next step
         are dropped, as in mlx_serve's runner."""
         from mlx_serve.runner.early_split import (
+            FirstToken,
             drop_handed_back,
             mark_sent_ahead,
             take_first_tokens,
@@ -164,7 +165,7 @@ class EngineHarness:
         ahead = {uid: token for uid, token in take_first_tokens(gen).items()
                  if token not in self._eos_ids and max_tokens > 1}
         mark_sent_ahead(gen, ahead)
-        return kept + [_Ahead(uid, token) for uid, token in ahead.items()]
+        return kept + [FirstToken(uid, token) for uid, token in ahead.items()]
 
     def _new_detokenizer(self) -> Any:
         return self.tokenizer.detokenizer if self.detokenize else None
@@ -191,14 +192,6 @@ class EngineHarness:
                 del inflight[r.uid]
                 finished = True
         return finished
-
-
-class _Ahead(NamedTuple):
-    """A first token taken from the step that moved its sequence into decoding."""
-
-    uid: int
-    token: int
-    finish_reason: str | None = None
 
 
 def _releases_text(detokenizer: Any, response: Any) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +20,6 @@ EOS_IDS = (0, 2)  # the tiny model's end-of-sequence tokens (<|endoftext|>, <|im
 NO_EOS = {str(t): -100 for t in EOS_IDS}  # logit_bias that keeps a request going to max_tokens
 HI = [{"role": "user", "content": "hi"}]
 TIMEOUT = 30.0
-READY_TIMEOUT = 100.0  # a start takes ~3 s, far more on a loaded 2-core machine
-
-
-@contextmanager
-def served(tiny_model_dir: Path, log_path: Path) -> Iterator[ServerProcess]:
-    """``python -m mlx_serve`` on the tiny model, ready; stopped on the way out."""
-    proc = ServerProcess(tiny_model_dir, log_path)
-    try:
-        proc.wait_ready(READY_TIMEOUT)
-        yield proc
-    finally:
-        proc.stop()
 
 
 def server_fixture(name: str) -> Any:
@@ -42,7 +29,8 @@ def server_fixture(name: str) -> Any:
     @pytest.fixture(scope="module")
     def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[ServerProcess]:
-        with served(tiny_model_dir, tmp_path_factory.mktemp(name) / "server.log") as proc:
+        # ServerProcess waits for /health (bounded) on entry and stops the server on exit.
+        with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp(name) / "server.log") as proc:
             yield proc
 
     return server
@@ -109,3 +97,15 @@ def printable_window(text: str, start: int, size: int) -> int | None:
                 text.index(window) == i:
             return i
     return None
+
+
+async def read_then_leave(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                          lines: int = 5) -> None:
+    """Stream ``body`` to ``path``, read ``lines`` SSE data lines, then hang up."""
+    async with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        received = 0
+        async for line in response.aiter_lines():
+            received += line.startswith("data:")
+            if received >= lines:
+                break

@@ -21,6 +21,7 @@ from tests.http_helpers import (
     async_client,
     client_fixture,
     health,
+    read_then_leave,
     server_fixture,
     wait_health,
 )
@@ -130,13 +131,7 @@ async def test_client_disconnecting_mid_stream_leaves_the_others_running(server)
             body = {"model": MODEL, "messages": HI, "max_tokens": 2000, "temperature": 0,
                     "stream": True, "logit_bias": NO_EOS}
             async with httpx.AsyncClient(base_url=server.base_url, timeout=TIMEOUT) as c:
-                async with c.stream("POST", "/v1/chat/completions", json=body) as response:
-                    assert response.status_code == 200
-                    received = 0
-                    async for line in response.aiter_lines():
-                        received += line.startswith("data:")
-                        if received >= 5:
-                            break
+                await read_then_leave(c, "/v1/chat/completions", body)
             # 300 tokens each vs. the leaver's 5 chunks: the others are mid-stream here.
             assert not all(t.done() for t in others), "the others ended before the leaver"
             results = await asyncio.wait_for(asyncio.gather(*others), TIMEOUT)

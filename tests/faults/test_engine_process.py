@@ -48,6 +48,7 @@ from tests.faults.server_watch import (
     wait_for_state,
     wait_until,
 )
+from tests.http_helpers import read_then_leave
 from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.anyio
@@ -145,13 +146,7 @@ async def test_a_client_leaving_mid_stream_leaves_the_batch(server):
     with anyio.fail_after(30):
         async with http_client(server) as client:
             _, before = await health(client)
-            async with client.stream("POST", CHAT, json=body) as resp:
-                assert resp.status_code == 200
-                received = 0
-                async for line in resp.aiter_lines():
-                    received += line.startswith("data:")
-                    if received >= 5:
-                        break
+            await read_then_leave(client, CHAT, body)
             left = time.monotonic()
 
             async def emptied() -> dict[str, Any] | None:

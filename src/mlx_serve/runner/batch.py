@@ -12,7 +12,7 @@ import secrets
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machine
@@ -23,6 +23,7 @@ from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
 from mlx_serve.runner.detokenizer import streaming_detokenizers
 from mlx_serve.runner.early_split import (
+    FirstToken,
     drop_handed_back,
     mark_sent_ahead,
     take_first_tokens,
@@ -149,7 +150,7 @@ class Runner:
             live = self._by_uid.get(uid)
             if live is not None and self._may_send_ahead(live, token):
                 sent[uid] = token
-                self._advance_or_fail(live, _FirstToken(uid, token), deltas, failed)
+                self._advance_or_fail(live, FirstToken(uid, token), deltas, failed)
         mark_sent_ahead(self._batch, sent)
         # Sampled every so often, and when the batch empties so that idle figures settle.
         if not self._by_uid or time.monotonic() - self._memory_sampled >= MEMORY_SAMPLE_INTERVAL_S:
@@ -373,17 +374,6 @@ class Runner:
             self._remove([request.request_id], keep_cache=response.finish_reason is None)
         return Delta(piece.content, 1, piece.finish, request.index, piece.reasoning,
                      piece.tool_calls, logprobs, cached)
-
-
-class _FirstToken(NamedTuple):
-    """A first token read ahead, shaped as the batch's own response for it."""
-
-    uid: int
-    token: int
-    logprobs: Any = None
-    finish_reason: str | None = None
-    prompt_cache: Any = None
-    all_tokens: Any = None
 
 
 def _user_set(user: str | None) -> set[str]:

@@ -74,7 +74,6 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
         return made
 
     def reset(self) -> None:
-        self.offset = 0
         self.tokens = []
         self._unflushed = ""  # the held-back tokens' text, as mlx-lm keeps it
         self._pending = b""  # ... and their bytes
@@ -92,7 +91,7 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
         count = len(pieces)
         if read == count:
             return ""
-        self._read, self.offset = count, self._length
+        self._read = count
         return pieces[read] if read == count - 1 else "".join(pieces[read:])
 
     def _emit(self, piece: str) -> None:

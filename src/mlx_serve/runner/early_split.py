@@ -25,7 +25,7 @@ them a call sooner still; the next call hands the same tokens back as usual, and
 from __future__ import annotations
 
 from types import MethodType
-from typing import Any
+from typing import Any, NamedTuple
 
 from mlx_lm.generate import PromptProcessingBatch
 
@@ -56,6 +56,17 @@ def move_prefilled(self: Any, prompt_responses: list[Any]) -> None:
     # in a generator whose caller never takes them.
     self._moved_first_tokens = (list(gen_batch.uids), gen_batch._next_tokens)
     self._generation_batch.extend(gen_batch)
+
+
+class FirstToken(NamedTuple):
+    """A first token read ahead, shaped as the batch's own response for it."""
+
+    uid: int
+    token: int
+    logprobs: Any = None
+    finish_reason: str | None = None
+    prompt_cache: Any = None
+    all_tokens: Any = None
 
 
 def take_first_tokens(batch_generator: Any) -> dict[int, int]:
