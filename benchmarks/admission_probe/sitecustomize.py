@@ -21,53 +21,62 @@ import os
 _OUT = os.environ.get("MLX_ADMISSION_PROBE_OUT")
 
 
+class _Marks:
+    """Each request's marks until its first text, then its line in the sink."""
+
+    def __init__(self, out: str) -> None:
+        self.marks: dict[str, dict[str, float]] = {}
+        self.written: set[str] = set()
+        self.sink = open(f"{out}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115 - for life
+
+    def mark(self, request_id: str, key: str) -> None:
+        import time
+
+        self.marks.setdefault(request_id, {}).setdefault(key, time.monotonic())
+
+    def first_text(self, request_id: str) -> None:
+        """Write the request's spans once: at its first text."""
+        import time
+
+        if request_id in self.written:
+            return
+        self.written.add(request_id)
+        t = self.marks.pop(request_id, {})
+        if len(t) == 4:
+            spans = (t["taken"] - t["submitted"], t["begun"] - t["taken"],
+                     time.monotonic() - t["begun"])
+            self.sink.write(" ".join(f"{s * 1e3:.3f}" for s in spans) + f" {t['wall']:.3f}\n")
+
+
 def _install(out: str) -> None:
     import time
 
     from mlx_serve import engine, engine_step, open_requests
     from mlx_serve.runner import batch
 
-    marks: dict[str, dict[str, float]] = {}
-    written: set[str] = set()
-    sink = open(f"{out}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115 - the process's life
-
-    def mark(request_id: str, key: str) -> None:
-        marks.setdefault(request_id, {}).setdefault(key, time.monotonic())
-
-    submit = engine.Engine.submit
+    probe = _Marks(out)
+    submit, take = engine.Engine.submit, open_requests.OpenRequests.open
+    run, advance = engine_step.EngineStep.run, batch.Runner._advance
 
     def submitted(self, *requests, **kwargs):
         for r in requests:
-            mark(r.request_id, "submitted")
-            marks[r.request_id].setdefault("wall", time.time())
+            probe.mark(r.request_id, "submitted")
+            probe.marks[r.request_id].setdefault("wall", time.time())
         return submit(self, *requests, **kwargs)
 
-    take = open_requests.OpenRequests.open
-
     def taken(self, entry, draining):
-        mark(entry.request.request_id, "taken")
+        probe.mark(entry.request.request_id, "taken")
         return take(self, entry, draining)
-
-    run = engine_step.EngineStep.run
 
     def begun(self, runner):
         for r in list(self.admissions):
-            mark(r.request_id, "begun")
+            probe.mark(r.request_id, "begun")
         return run(self, runner)
-
-    advance = batch.Runner._advance
 
     def advanced(self, live, response):
         delta = advance(self, live, response)
-        rid = live.request.request_id
-        if delta.text and rid not in written:
-            written.add(rid)
-            t = marks.pop(rid, {})
-            if len(t) == 4:
-                spans = (t["taken"] - t["submitted"], t["begun"] - t["taken"],
-                         time.monotonic() - t["begun"])
-                sink.write(" ".join(f"{s * 1e3:.3f}" for s in spans)
-                           + f" {t['wall']:.3f}\n")
+        if delta.text:
+            probe.first_text(live.request.request_id)
         return delta
 
     engine.Engine.submit = submitted
