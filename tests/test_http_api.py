@@ -165,6 +165,53 @@ def test_raw_sse_stream_with_include_usage(server, tokenizer, path):
         assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(
+        server, tokenizer, path):
+    # vLLM's stream option: usage in every chunk, counting the chunk's own choice's tokens.
+    chat = path.endswith("chat/completions")
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True,
+                            "n": 2, "logit_bias": NO_EOS, "stream_options": {
+                                "include_usage": True, "continuous_usage_stats": True}}
+    if chat:
+        body["messages"] = HI
+        prompt_tokens = chat_prompt_tokens(tokenizer, HI)
+    else:
+        body["prompt"] = "hi"
+        prompt_tokens = len(tokenizer.encode("hi").ids)
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as c:
+        with c.stream("POST", path, json=body) as response:
+            assert response.status_code == 200
+            data = sse_data(list(response.iter_lines()))
+    assert data[-1] == "[DONE]"
+    *chunks, final = [json.loads(d) for d in data[:-1]]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 12
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks:
+        usage, (choice,) = chunk["usage"], chunk["choices"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+        counts[choice["index"]].append(usage["completion_tokens"])
+    for index, seen in counts.items():
+        # The role chunk (chat) counts none; each later chunk its choice's tokens so far
+        # (more than one more when a token had no text of its own), up to all six.
+        if chat:
+            assert seen[0] == 0, (index, seen)
+            seen = seen[1:]
+        assert seen == sorted(set(seen)) and seen[0] >= 1 and seen[-1] == 6, (index, seen)
+
+
+def test_continuous_usage_stats_need_include_usage(server):
+    body = {"model": MODEL, "messages": HI, "max_tokens": 3, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            data = sse_data(list(response.iter_lines()))
+    assert data[-1] == "[DONE]"
+    assert all("usage" not in json.loads(d) for d in data[:-1])  # as vLLM: none at all
+
+
 def test_sdk_stream_include_usage_final_chunk(client, tokenizer):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=5, temperature=0, stream=True, logit_bias=NO_EOS,

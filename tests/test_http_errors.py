@@ -125,8 +125,9 @@ CHAT_400 = [
     ({"messages": HI, "logit_bias": {"100000": 5}}, "logit_bias"),
     ({"messages": HI, "logit_bias": {"7": 150}}, "logit_bias"),
     ({"messages": HI, "stop": [str(i) for i in range(17)]}, "stop"),
-    ({"messages": HI, "stream_options": {"include_usage": True, "bogus": 1}},
+    ({"messages": HI, "stream": True, "stream_options": {"include_usage": True, "bogus": 1}},
      "stream_options"),
+    ({"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": HI, "user": 42}, "user"),
     ({"messages": HI, "repetition_penalty": 0}, "repetition_penalty"),
     ({"messages": HI, "presence_penalty": 3}, "presence_penalty"),
@@ -144,6 +145,8 @@ COMPLETION_400 = [
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "stream": False, "stream_options": {"include_usage": True}},
+     "stream_options"),
 ]
 
 

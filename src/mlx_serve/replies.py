@@ -67,6 +67,8 @@ class ReplyShape:
     model: str
     prompt_tokens: int
     include_usage: bool = False
+    # vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far.
+    continuous_usage: bool = False
     logprobs: int | None = None
     reasoning_format: str = "reasoning"
     tool_parser: Any = None
@@ -128,10 +130,14 @@ class ReplyShape:
 
     # -- streaming -----------------------------------------------------------------------
 
-    def _envelope(self, choices: list[dict]) -> dict:
+    def _envelope(self, choices: list[dict], completion_tokens: int = 0) -> dict:
         body = {"id": self.id, "object": self._object(chunk=True), "created": self.created,
                 "model": self.model, "choices": choices}
-        if self.include_usage:
+        if self.continuous_usage:  # as vLLM: the choice's own tokens so far
+            body["usage"] = {"prompt_tokens": self.prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": self.prompt_tokens + completion_tokens}
+        elif self.include_usage:
             body["usage"] = None
         return body
 
@@ -156,7 +162,7 @@ class ReplyShape:
     def delta_chunk(self, choice: Choice, delta: Delta, calls: list[dict]) -> str | None:
         """The JSON of the chunk for one delta (None when it carries nothing to send)."""
         if (delta.text and choice.finish is None and not calls and not delta.reasoning
-                and not delta.logprobs):
+                and not delta.logprobs and not self.continuous_usage):
             return self.text_chunk(choice.index, delta.text)
         logprobs = self._logprobs_object(list(delta.logprobs),
                                          choice.offsets[len(choice.offsets)
@@ -180,7 +186,7 @@ class ReplyShape:
                 return None
             item = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
                     "finish_reason": finish}
-        return json.dumps(self._envelope([item]))
+        return json.dumps(self._envelope([item], choice.tokens))
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         return {"id": self.id, "object": self._object(chunk=True), "created": self.created,

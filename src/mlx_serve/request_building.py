@@ -45,8 +45,13 @@ def _unsupported(param: str, why: str = "is not supported by this server") -> No
     raise UnsupportedParameterError(f"'{param}' {why}", param=param)
 
 
-def check_extra_fields(body: ChatCompletionRequest | CompletionRequest, settings: Settings
-                       ) -> None:
+def check_shared_fields(body: ChatCompletionRequest | CompletionRequest, settings: Settings
+                        ) -> None:
+    """Checks both endpoints share: OpenAI fields we cannot honour, vendor extras, ``n``,
+    and ``stream_options`` without ``stream`` (a 400 at OpenAI and vLLM too)."""
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true",
+                           param="stream_options")
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED_FIELDS:
             if value not in (None, False, [], {}):
@@ -131,7 +136,7 @@ async def compile_format(body: ChatCompletionRequest, runner: Any) -> object | N
 async def build_chat_request(
     body: ChatCompletionRequest, runner: Any, settings: Settings, request_id: str
 ) -> Prepared:
-    check_extra_fields(body, settings)
+    check_shared_fields(body, settings)
     if body.top_logprobs and not body.logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer,
@@ -210,7 +215,7 @@ async def _completion_prompts(body: CompletionRequest, runner: Any) -> list[list
 async def build_completion_request(
     body: CompletionRequest, runner: Any, settings: Settings, request_id: str
 ) -> Prepared:
-    check_extra_fields(body, settings)
+    check_shared_fields(body, settings)
     check_completion_fields(body)
     prompts = await _completion_prompts(body, runner)
     if len(prompts) * body.n > settings.max_n:

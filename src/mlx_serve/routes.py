@@ -103,11 +103,14 @@ async def _generate(request: Request, model_type: type[Any], build: Any, *, chat
 
 async def _reply(request: Request, state: ServerState, body: Any, prepared: Prepared,
                  request_id: str, *, chat: bool, model: str) -> Response:
-    include_usage = bool(body.stream and body.stream_options and
-                         body.stream_options.include_usage)
+    options = body.stream_options if body.stream else None
+    include_usage = bool(options and options.include_usage)
+    # As vLLM: usage in every chunk only on top of the final usage chunk.
+    continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
     tokenizer = state.engine.runner.tokenizer
     shape = ReplyShape(chat=chat, model=model, prompt_tokens=prepared.prompt_tokens,
-                       include_usage=include_usage, logprobs=prepared.logprobs,
+                       include_usage=include_usage, continuous_usage=continuous_usage,
+                       logprobs=prepared.logprobs,
                        reasoning_format=prepared.reasoning_format,
                        tool_parser=getattr(tokenizer, "tool_parser", None) if prepared.tools
                        else None, tools=prepared.tools, id=request_id)
