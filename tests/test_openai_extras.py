@@ -1,7 +1,11 @@
-"""logprobs, n, several prompts and stop token ids through the official openai SDK."""
+"""logprobs, n, several prompts and stop token ids through the official openai SDK (and
+raw HTTP where the JSON itself is checked)."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -90,3 +94,32 @@ def test_stop_token_ids_end_generation_like_an_end_of_sequence(client):
     assert plain.choices[0].finish_reason == "length" and plain.choices[0].text
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == "" and cut.usage.completion_tokens == 1
+
+
+def strict_json(text: str) -> dict:
+    """JSON as the standard has it: no NaN or Infinity (what Python's json would accept)."""
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in a reply: not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ruled_out_alternatives_get_a_finite_logprob(client, stream):
+    # json_object masks every token that cannot start a JSON object: the alternatives
+    # after the first are -inf, which JSON cannot carry. They read -9999.0, as in vLLM.
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0, "logprobs": True, "top_logprobs": 5, "stream": stream,
+            "response_format": {"type": "json_object"}}
+    with httpx.Client(base_url=str(client.base_url), timeout=30) as http:
+        response = http.post("/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [strict_json(line[len("data: "):]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        items = [t for c in chunks for ch in c["choices"] if ch["logprobs"]
+                 for t in ch["logprobs"]["content"]]
+    else:
+        items = strict_json(response.text)["choices"][0]["logprobs"]["content"]
+    first = items[0]
+    assert first["token"] == "{" and first["logprob"] == 0.0  # the only token allowed
+    assert [a["logprob"] for a in first["top_logprobs"][1:]] == [-9999.0] * 4

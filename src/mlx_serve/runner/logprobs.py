@@ -25,6 +25,15 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(visible, chars, strict=True)}
 
 
+# JSON has no -Infinity: a token that a mask or penalty ruled out (log-probability -inf)
+# is reported with this floor instead, as vLLM does. NaN gets it too.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(value: float) -> float:
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 class TokenTexts:
     """Text and bytes of single tokens, cached per tokenizer."""
 
@@ -58,5 +67,5 @@ def token_logprob(texts: TokenTexts, logprobs: mx.array, token: int, k: int) -> 
         id_list = cast(list[int], ids.tolist())
         values = cast(list[float], logprobs[ids].tolist())
         pairs = sorted(zip(id_list, values, strict=True), key=lambda p: -p[1])
-        top = tuple((*texts(t), v) for t, v in pairs)
-    return TokenLogprob(text, raw, float(cast(float, logprobs[token].item())), top)
+        top = tuple((*texts(t), _finite(v)) for t, v in pairs)
+    return TokenLogprob(text, raw, _finite(float(cast(float, logprobs[token].item()))), top)
