@@ -3,6 +3,7 @@ a real server, and bounded polls of its /health."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -82,6 +83,13 @@ def wait_health(server: ServerProcess, predicate: Callable[[dict[str, Any]], boo
             if time.monotonic() > deadline:
                 raise AssertionError(f"/health never satisfied the condition: {body}")
             time.sleep(0.02)
+
+
+def strict_json(text: str) -> Any:
+    """JSON as the standard has it: NaN and Infinity, which Python's json accepts, are not."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
 
 
 def sse_data(lines: list[str]) -> list[str]:

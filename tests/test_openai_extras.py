@@ -3,11 +3,11 @@ raw HTTP where the JSON itself is checked)."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 from openai import OpenAI
+
+from tests.http_helpers import strict_json
 
 NO_EOS = {"0": -100, "2": -100}  # the tiny model's end-of-sequence ids: exact lengths
 
@@ -94,13 +94,6 @@ def test_stop_token_ids_end_generation_like_an_end_of_sequence(client):
     assert plain.choices[0].finish_reason == "length" and plain.choices[0].text
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == "" and cut.usage.completion_tokens == 1
-
-
-def strict_json(text: str) -> dict:
-    """JSON as the standard has it: no NaN or Infinity (what Python's json would accept)."""
-    def refuse(constant: str) -> None:
-        raise AssertionError(f"{constant} in a reply: not JSON")
-    return json.loads(text, parse_constant=refuse)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -18,6 +18,7 @@ import anyio
 import httpx
 import openai
 
+from tests.http_helpers import strict_json
 from tests.server_process import ServerProcess
 
 CLIENT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)  # no request in this suite may take longer
@@ -148,7 +149,7 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any], *,
                 elif data == "[DONE]":
                     reply.done += 1
                 else:
-                    _record_chunk(reply, json.loads(data), on_content)
+                    _record_chunk(reply, strict_json(data), on_content)
     except httpx.HTTPError as exc:
         reply.transport_error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -177,7 +178,7 @@ def _record_chunk(reply: Reply, chunk: dict[str, Any], on_content: anyio.Event |
 
 def _record_error_body(reply: Reply, resp: httpx.Response) -> None:
     try:
-        payload = resp.json()
+        payload = strict_json(resp.text)
     except ValueError:
         payload = None
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
@@ -200,7 +201,7 @@ async def complete_chat(client: httpx.AsyncClient, body: dict[str, Any],
     if resp.status_code != 200:
         _record_error_body(reply, resp)
         return reply
-    payload = resp.json()
+    payload = strict_json(resp.text)
     if "error" in payload:
         reply.errors.append(payload["error"])
     for choice in payload.get("choices", []):

@@ -1,0 +1,140 @@
+"""Chaos: a seeded mix of every kind of request, with faults at random at every fail-point
+site and clients that hang up mid-stream. Whatever happens, every request ends with
+exactly one terminal event in valid JSON, the server ends idle and ready, it still
+answers exactly, and its log holds no unexpected error: with the engine in the server's
+process and in a child of its own.
+
+The faults: 2 % of batch steps raise (replayed), 0.5 % fail after their tokens are in
+(replayed too), 2 % of admissions raise (that request fails alone) and 0.5 % of SSE
+writes raise (that stream ends with an error event).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from tests.faults.harness import (
+    COMPLETIONS,
+    PROMPTS,
+    Reply,
+    assert_serves,
+    call,
+    http_client,
+)
+from tests.faults.server_watch import assert_log_clean, clear_failpoint, health, wait_until
+
+pytestmark = pytest.mark.anyio
+
+SITES = ("engine.step", "engine.detokenize", "engine.admit", "sse.send")
+FAULTS = ";".join([
+    "engine.step=2%raise(RuntimeError:chaos step)",
+    "engine.detokenize=0.5%raise(ValueError:chaos text)",
+    "engine.admit=2%raise(RuntimeError:chaos admit)",
+    "sse.send=0.5%raise(ConnectionResetError:chaos send)",
+])
+WORKERS = 12
+REQUESTS_PER_WORKER = 40
+LEAVE_SHARE = 0.1  # streams whose client hangs up after a few events
+
+
+def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """A valid request of any kind this server serves: chat or completion, with the
+    sampling, stop, logprob, choice and usage options mixed at random."""
+    chat = rng.random() < 0.6
+    body: dict[str, Any] = {"max_tokens": rng.randint(1, 32),
+                            "temperature": rng.choice([0, 0.7, 1.0]),
+                            "n": rng.choice([1, 1, 1, 2, 3])}
+    options = {"stop": [rng.choice(["a", "e", " the"])], "repetition_penalty": 1.2,
+               "frequency_penalty": 0.5, "seed": rng.randint(0, 99), "top_k": 5,
+               "min_p": 0.05, "user": rng.choice(["alice", "bob"])}
+    for name, value in options.items():
+        if rng.random() < 0.2:
+            body[name] = value
+    if chat:
+        body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+        if rng.random() < 0.15:
+            body.update(logprobs=True, top_logprobs=rng.randint(0, 4))
+        if rng.random() < 0.1:
+            body["response_format"] = {"type": "json_object"}
+        return "/v1/chat/completions", body
+    body["prompt"] = rng.choice(PROMPTS)
+    if rng.random() < 0.15:
+        body["logprobs"] = rng.randint(0, 4)
+    return COMPLETIONS, body
+
+
+def check_ending(reply: Reply) -> None:
+    """A finish for every choice, or one error (of the injected kind) that ends the
+    request, after the finishes of any choices done before it."""
+    info = reply.describe()
+    assert reply.transport_error is None, info
+    if reply.stream and reply.status == 200:
+        assert reply.done == 1 and not reply.after_done, f"[DONE] not last and single: {info}"
+    assert set(reply.finishes) <= {"stop", "length"}, info
+    if not reply.errors:
+        assert reply.status == 200, info
+        assert len(reply.finishes) == reply.body.get("n", 1), f"a choice never ended: {info}"
+        return
+    assert len(reply.errors) == 1 and reply.errors[0]["type"] == "server_error", info
+    assert len(reply.finishes) < reply.body.get("n", 1), info
+    if reply.status != 200:
+        assert not reply.finishes, info
+
+
+async def leave_early(client: httpx.AsyncClient, path: str, body: dict[str, Any], lines: int
+                      ) -> None:
+    """Stream, read up to ``lines`` data lines (or an error reply), then hang up."""
+    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+        received = 0
+        async for line in response.aiter_lines():
+            received += line.startswith("data:")
+            if received >= lines:
+                break
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [[], ["--engine-process"]], ids=["one-process", "engine-process"])
+async def test_every_request_ends_once_whatever_fails(launch, reference, model_name, mode):
+    server = launch("--max-n", "4", "--failpoints-http", *mode, failpoints=FAULTS)
+    replies: list[Reply] = []
+    left = 0
+
+    async def worker(seed: int) -> None:
+        nonlocal left
+        rng = random.Random(seed)
+        async with http_client(server) as client:
+            for _ in range(REQUESTS_PER_WORKER):
+                path, body = random_body(rng)
+                stream = rng.random() < 0.7
+                if stream and rng.random() < LEAVE_SHARE:
+                    await leave_early(client, path, body, lines=rng.randint(1, 4))
+                    left += 1
+                else:
+                    replies.append(await call(client, body, stream, path)())
+
+    with anyio.fail_after(240):
+        async with anyio.create_task_group() as tg:
+            for seed in range(WORKERS):
+                tg.start_soon(worker, seed)
+    for reply in replies:
+        check_ending(reply)
+    failed = sum(bool(r.errors) for r in replies)
+    assert left and failed and len(replies) - failed > len(replies) // 2  # the mix was real
+
+    async with http_client(server) as client:
+        async def settled() -> dict[str, Any] | None:
+            _, body = await health(client)
+            idle = body["running"] == 0 and body["waiting"] == 0
+            return body if idle and body["state"] == "ready" else None
+
+        body = await wait_until(settled, 30, "the server to end idle and ready")
+        assert body["recoveries"] > 0  # steps did fail, and were recovered from
+        for site in SITES:
+            await clear_failpoint(client, site)
+    await assert_serves(server, reference, model_name)
+    assert_log_clean(server, allowed=("chaos",))
