@@ -132,6 +132,12 @@ CHAT_400 = [
     ({"messages": HI, "repetition_penalty": 0}, "repetition_penalty"),
     ({"messages": HI, "presence_penalty": 3}, "presence_penalty"),
     ({"messages": HI, "min_p": 1.5}, "min_p"),
+    ({"messages": HI, "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"messages": HI, "min_tokens": -1}, "min_tokens"),
+    ({"messages": HI, "ignore_eos": True, "response_format": {"type": "json_object"}},
+     "ignore_eos"),
+    ({"messages": HI, "min_tokens": 2, "response_format": {"type": "json_object"}},
+     "min_tokens"),
 ]
 
 COMPLETION_400 = [

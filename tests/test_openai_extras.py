@@ -116,3 +116,59 @@ def test_ruled_out_alternatives_get_a_finite_logprob(client, stream):
     first = items[0]
     assert first["token"] == "{" and first["logprob"] == 0.0  # the only token allowed
     assert [a["logprob"] for a in first["top_logprobs"][1:]] == [-9999.0] * 4
+
+
+EOS_FIRST = {"0": -100, "2": 100}  # the tiny model answers <|im_end|> at once
+
+
+def test_min_tokens_holds_off_the_end_of_sequence_until_then(client):
+    plain = chat(client, max_tokens=10, logit_bias=EOS_FIRST)
+    assert plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    held = chat(client, max_tokens=10, logit_bias=EOS_FIRST, extra_body={"min_tokens": 4})
+    # Four tokens that cannot end it, then the end-of-sequence token it was biased to.
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+    assert held.choices[0].message.content
+    forced = {**NO_EOS, "100": 100}  # token 100 every time, a stop token id here
+    stopped = client.completions.create(model="tiny", prompt="Once", max_tokens=8,
+                                        temperature=0, logit_bias=forced,
+                                        extra_body={"stop_token_ids": [100], "min_tokens": 3})
+    assert stopped.usage.completion_tokens == 4 and stopped.choices[0].finish_reason == "stop"
+
+
+def test_ignore_eos_goes_on_to_max_tokens_without_showing_the_eos(client):
+    for stream in (False, True):
+        if stream:
+            chunks = list(chat(client, max_tokens=6, logit_bias=EOS_FIRST, stream=True,
+                               stream_options={"include_usage": True},
+                               extra_body={"ignore_eos": True}))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            tokens = chunks[-1].usage.completion_tokens
+        else:
+            reply = chat(client, max_tokens=6, logit_bias=EOS_FIRST,
+                         extra_body={"ignore_eos": True})
+            text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+            tokens = reply.usage.completion_tokens
+        # Six <|im_end|> tokens: they count, they show no text, and they end nothing.
+        assert (text, finish, tokens) == ("", "length", 6)
+
+
+def test_stop_strings_count_only_after_min_tokens(client):
+    prompt, m = "Once upon a time", 3  # its 5 greedy tokens' texts join into its text
+
+    def complete(**extra):
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                          temperature=0, logit_bias=NO_EOS, **extra)
+        return reply.choices[0].text, reply.choices[0].finish_reason
+
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                     logprobs=0, logit_bias=NO_EOS).choices[0]
+    pieces = full.logprobs.tokens
+    assert "".join(pieces) == full.text
+    first, after = pieces[0], pieces[m]  # the first token's text; the one after the m
+    assert first and first not in "".join(pieces[1:])
+    assert after and after not in "".join(pieces[:m])
+    assert complete(stop=[first]) == ("", "stop")
+    # Inside the first m tokens a stop string does not count; right after them it does.
+    assert complete(stop=[first], extra_body={"min_tokens": m}) == (full.text, "length")
+    assert complete(stop=[after], extra_body={"min_tokens": m}) == ("".join(pieces[:m]), "stop")

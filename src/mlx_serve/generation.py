@@ -27,11 +27,14 @@ class SamplingParams:
     frequency_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # end-of-sequence tokens do not end the reply
+    min_tokens: int = 0  # no end before this many tokens (EOS and stop ids masked)
 
     @property
     def has_logits_processors(self) -> bool:
         return bool(
-            self.logit_bias
+            self.min_tokens
+            or self.logit_bias
             or self.repetition_penalty not in (None, 1.0)
             or self.presence_penalty not in (None, 0.0)
             or self.frequency_penalty not in (None, 0.0)

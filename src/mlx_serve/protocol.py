@@ -47,6 +47,10 @@ class _Request(BaseModel):
     user: str | None = None
     # vLLM extension: token ids that end generation like an end-of-sequence token.
     stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
+    # vLLM extensions that benchmark clients use to fix a reply's length: go on past an
+    # end-of-sequence token; end no earlier than min_tokens (no EOS, stop id or stop string).
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
 
 
 class StreamOptions(BaseModel):

@@ -96,6 +96,9 @@ def sampling_params(
         if any(not 0 <= t < runner.vocab_size for t in ids):
             raise RequestError(f"'{field}' holds a token id outside the vocabulary",
                                param=field)
+    if body.min_tokens > max_tokens:
+        raise RequestError(f"'min_tokens' ({body.min_tokens}) must be at most max_tokens "
+                           f"({max_tokens})", param="min_tokens")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
@@ -111,6 +114,8 @@ def sampling_params(
         frequency_penalty=body.frequency_penalty,
         logit_bias=tuple(sorted((body.logit_bias or {}).items())),
         stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
     )
 
 
@@ -151,6 +156,11 @@ async def build_chat_request(
                                                     "schema": rendered.forced_call}})
     else:
         response_format = await compile_format(body, runner)
+    if response_format is not None and (body.ignore_eos or body.min_tokens):
+        # A format ends its reply with an end-of-sequence token, when its grammar does.
+        param = "ignore_eos" if body.ignore_eos else "min_tokens"
+        raise RequestError(f"'{param}' cannot be combined with a response format or a "
+                           "forced tool call", param=param)
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
                              len(rendered.tokens), runner, settings)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

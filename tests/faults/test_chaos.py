@@ -55,11 +55,15 @@ def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
     for name, value in options.items():
         if rng.random() < 0.2:
             body[name] = value
+    lengths = {"min_tokens": rng.randint(1, body["max_tokens"]), "ignore_eos": True}
+    for name, value in lengths.items():  # vLLM's; not with a response format
+        if rng.random() < 0.1:
+            body[name] = value
     if chat:
         body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
         if rng.random() < 0.15:
             body.update(logprobs=True, top_logprobs=rng.randint(0, 4))
-        if rng.random() < 0.1:
+        if rng.random() < 0.1 and not body.keys() & lengths.keys():
             body["response_format"] = {"type": "json_object"}
         return "/v1/chat/completions", body
     body["prompt"] = rng.choice(PROMPTS)

@@ -64,7 +64,12 @@ async def test_failed_steps_are_replayed_and_every_request_completes_exactly(
     through failing steps; all 16 finish with the fault-free output, /health never
     leaves 200."""
     bodies = [chat_body(i, max_tokens=48) for i in range(16)]
+    # vLLM's length controls in two of the streams, with the end-of-sequence token made
+    # likely: how many tokens count as generated must survive the replay.
+    bodies[1] = chat_body(1, max_tokens=48, min_tokens=40, logit_bias={"2": 8})
+    bodies[3] = chat_body(3, max_tokens=48, ignore_eos=True, logit_bias={"2": 8})
     expected = await reference.outcomes(bodies)
+    assert expected[1][1] == "stop" and expected[3][1] == "length"
     server = launch("--failpoints-http", failpoints=GATE)
     with anyio.fail_after(SCENARIO_S):
         async with http_client(server) as client, sdk_client(server) as sdk:

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machine
 
 from mlx_serve.failpoints import FailPoints
-from mlx_serve.generation import Delta, GenerationRequest, StepOutcome
+from mlx_serve.generation import Delta, GenerationRequest, SamplingParams, StepOutcome
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
 from mlx_serve.runner.detokenizer import streaming_detokenizers
@@ -272,7 +272,10 @@ class Runner:
             log.exception("closing the old batch generator failed")
 
     def _new_live(self, request: GenerationRequest) -> _Live:
-        text = TextPipeline(self._new_detokenizer(), request, self._text_machine)
+        # An ignored end-of-sequence token takes its place in the reply but shows no text
+        # (vLLM leaves special tokens out of the text too).
+        hidden = frozenset(self._eos_ids) if request.params.ignore_eos else frozenset()
+        text = TextPipeline(self._new_detokenizer(), request, self._text_machine, hidden)
         return _Live(request, text)
 
     def _admit(self, request: GenerationRequest) -> tuple[str, Exception] | None:
@@ -311,7 +314,8 @@ class Runner:
         if live.cached_tokens is None:  # the first admission, not a replay
             live.cached_tokens = len(prompt) - len(rest)
         params = live.request.params
-        processors = make_request_processors(params)
+        processors = make_request_processors(params, len(live.request.prompt_tokens),
+                                             self._end_ids(params))
         fmt = live.request.output.response_format
         if fmt is not None:  # a fresh matcher, fast-forwarded over what was generated
             processors.append(fmt.make_processor_at(  # type: ignore[attr-defined]
@@ -323,17 +327,22 @@ class Runner:
             all_tokens=[prompt[: len(prompt) - len(rest)]],
             samplers=[make_request_sampler(params, len(live.generated))],
             logits_processors=[processors],
-            stop_sequences=[self._stops_for(params.stop_token_ids)],
+            stop_sequences=[self._stops_for(params)],
         )
         live.uid = uid
         self._by_uid[uid] = live
 
-    def _stops_for(self, extra: tuple[int, ...]) -> StopSequences:
-        """Stop sequences (EOS plus a request's stop token ids), shared between requests."""
-        stops = self._stop_sequences.get(extra)
+    def _end_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The tokens that end a request: EOS (unless ignored) and its stop token ids."""
+        eos = () if params.ignore_eos else self._eos_ids
+        return tuple(sorted(set(eos) | set(params.stop_token_ids)))
+
+    def _stops_for(self, params: SamplingParams) -> StopSequences:
+        """Stop sequences of the request's end tokens, shared between requests."""
+        ids = self._end_ids(params)
+        stops = self._stop_sequences.get(ids)
         if stops is None:
-            ids = sorted(set(self._eos_ids) | set(extra))
-            stops = self._stop_sequences[extra] = StopSequences([(t,) for t in ids])
+            stops = self._stop_sequences[ids] = StopSequences([(t,) for t in ids])
         return stops
 
     def _remove(self, request_ids: Collection[str], keep_cache: bool = False) -> None:

@@ -8,7 +8,7 @@ same keys again, which keeps seeded output exact across recovery.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import mlx.core as mx
@@ -64,10 +64,31 @@ def make_request_sampler(params: SamplingParams, position: int) -> Sampler:
     return SeededSampler(params, params.seed, position)
 
 
-def make_request_processors(params: SamplingParams) -> list[Callable]:
+class MinTokensProcessor:
+    """Rules out the tokens that would end a reply until it has ``min_tokens`` tokens.
+
+    mlx-lm hands a processor the whole context (the prompt, then what was generated),
+    so the tokens generated so far are its length past the prompt: after a replay too.
+    """
+
+    def __init__(self, prompt_len: int, min_tokens: int, end_ids: Sequence[int]) -> None:
+        self._until = prompt_len + min_tokens
+        self._end_ids = mx.array(list(end_ids), dtype=mx.int32)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if tokens.size >= self._until or self._end_ids.size == 0:
+            return logits
+        logits[:, self._end_ids] = -mx.inf  # in place, as mlx-lm's own processors do
+        return logits
+
+
+def make_request_processors(params: SamplingParams, prompt_len: int = 0,
+                            end_ids: Sequence[int] = ()) -> list[Callable]:
+    """A request's logits processors: bias and penalties (mlx-lm's), then ``min_tokens``
+    over ``end_ids`` (the tokens that would end it)."""
     if not params.has_logits_processors:
         return []
-    return make_logits_processors(
+    processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty,
         repetition_context_size=PENALTY_CONTEXT,
@@ -76,3 +97,6 @@ def make_request_processors(params: SamplingParams) -> list[Callable]:
         frequency_penalty=params.frequency_penalty,
         frequency_context_size=PENALTY_CONTEXT,
     )
+    if params.min_tokens:
+        processors.append(MinTokensProcessor(prompt_len, params.min_tokens, end_ids))
+    return processors

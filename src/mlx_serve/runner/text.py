@@ -25,13 +25,19 @@ class TextPiece(NamedTuple):
 
 
 class TextPipeline:
-    __slots__ = ("_detok", "_stops", "_machine", "_state", "_prev", "_tool_text")
+    __slots__ = ("_detok", "_stops", "_unchecked", "_hidden", "_machine", "_state", "_prev",
+                 "_tool_text")
 
-    def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any) -> None:
+    def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any,
+                 hidden: frozenset[int] = frozenset()) -> None:
+        """``hidden``: tokens that count but add no text (ignored end-of-sequence ones)."""
         self._detok = detokenizer
         if request.output.keep_leading_space:
             _keep_leading_space(detokenizer)
         self._stops = StopStringMatcher(request.params.stop)
+        # As vLLM: stop strings count only in the text of tokens after min_tokens.
+        self._unchecked = request.params.min_tokens
+        self._hidden = hidden
         # The state machine strips thinking/tool-call markers (mlx-lm's, per tokenizer).
         use_machine = request.output.split_reasoning and machine is not None
         self._machine = machine if use_machine else None
@@ -47,11 +53,16 @@ class TextPipeline:
             self._detok.finalize()
             finish = FinishReason.STOP
         else:
-            self._detok.add_token(token)
+            if token not in self._hidden:
+                self._detok.add_token(token)
             if engine_finish == "length":
                 self._detok.finalize()
                 finish = FinishReason.LENGTH
-        text, hit = self._stops.feed(self._detok.last_segment)
+        if self._unchecked:
+            self._unchecked -= 1
+            text, hit = self._detok.last_segment, False
+        else:
+            text, hit = self._stops.feed(self._detok.last_segment)
         if hit:
             finish = FinishReason.STOP
         elif finish is not None:
