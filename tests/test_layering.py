@@ -7,7 +7,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mlx_serve"
 MLX_ALLOWED = {"runner", "models"}  # the only modules that may import mlx / mlx_lm
-HTTP = ("starlette", "sse_starlette", "pydantic", "uvicorn")
+HTTP = ("starlette", "sse_starlette", "pydantic", "uvicorn", "prometheus_client")
 PURE = ("engine", "engine_state", "open_requests", "reply_channel", "generation", "recovery",
         "errors", "stop_strings", "mlx_thread", "failpoints")
 

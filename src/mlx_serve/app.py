@@ -27,6 +27,7 @@ from mlx_serve.engine_setup import (
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.http_errors import EXCEPTION_HANDLERS
 from mlx_serve.http_stack import log_http_stack
+from mlx_serve.metrics import ServerMetrics
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import DEFAULT_MODEL_ID
 from mlx_serve.remote_engine import RemoteEngine
@@ -88,7 +89,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
         else:
             mlx = MLXThread(nice=settings.mlx_thread_nice)
             engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
-        state = ServerState(settings, engine, failpoints, served_model_name(settings))
+        state = ServerState(settings, engine, failpoints, served_model_name(settings),
+                            ServerMetrics(engine))
         app.state.server = state
         try:
             async with anyio.create_task_group() as tg:

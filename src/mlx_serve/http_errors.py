@@ -14,7 +14,11 @@ from mlx_serve.errors import MLXServeError
 log = logging.getLogger(__name__)
 
 
-def error_response(exc: MLXServeError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+def error_response(request: Request, exc: MLXServeError,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    server = getattr(request.app.state, "server", None)
+    if server is not None:  # None only before the lifespan has started
+        server.metrics.error(exc.status_code)
     headers = dict(headers or {})
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
@@ -23,7 +27,7 @@ def error_response(exc: MLXServeError, headers: Mapping[str, str] | None = None)
 
 async def handle_mlx_serve_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, MLXServeError)
-    return error_response(exc)
+    return error_response(request, exc)
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
@@ -31,12 +35,12 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
     error = MLXServeError(str(exc.detail), code=None)
     error.status_code = exc.status_code
     error.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return error_response(error, exc.headers)  # e.g. Allow on a 405
+    return error_response(request, error, exc.headers)  # e.g. Allow on a 405
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error in %s %s", request.method, request.url.path)
-    return error_response(MLXServeError(f"internal server error: {type(exc).__name__}"))
+    return error_response(request, MLXServeError(f"internal server error: {type(exc).__name__}"))
 
 
 EXCEPTION_HANDLERS = {

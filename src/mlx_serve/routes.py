@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ from mlx_serve.errors import (
     PayloadTooLargeError,
     RequestError,
 )
+from mlx_serve.metrics import RequestTracker
 from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
 from mlx_serve.remote_engine import RemoteEngine
 from mlx_serve.replies import ReplyShape
@@ -92,17 +94,21 @@ async def completions(request: Request) -> Response:
 async def _generate(request: Request, model_type: type[Any], build: Any, *, chat: bool
                     ) -> Response:
     """Read, validate and build the engine requests; then reply (streamed or whole)."""
+    arrived = time.monotonic()
     state = _state(request)
     body = parse(model_type, await read_json(request, state.settings.max_body_bytes))
     model = _check_model(state, body.model)
     engine = _ready_engine(state)
     request_id = _request_id("chatcmpl" if chat else "cmpl")
     prepared = await build(body, engine.runner, state.settings, request_id)
-    return await _reply(request, state, body, prepared, request_id, chat=chat, model=model)
+    tracker = state.metrics.track(prepared.prompt_tokens, arrived)
+    return await _reply(request, state, body, prepared, request_id, tracker, chat=chat,
+                        model=model)
 
 
 async def _reply(request: Request, state: ServerState, body: Any, prepared: Prepared,
-                 request_id: str, *, chat: bool, model: str) -> Response:
+                 request_id: str, tracker: RequestTracker, *, chat: bool, model: str
+                 ) -> Response:
     options = body.stream_options if body.stream else None
     include_usage = bool(options and options.include_usage)
     # As vLLM: usage in every chunk only on top of the final usage chunk.
@@ -123,12 +129,18 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
         await fail_fast(handle, request, state.settings.sse_ping_seconds)
         return SSEResponse(sse_events(handle, shape, choices, state.failpoints, body.user,
                                       state.settings.sse_ping_seconds,
-                                      merge_text=interval > 1))
-    return JSONResponse(await collect(handle, shape, choices, request))
+                                      merge_text=interval > 1, tracker=tracker))
+    return JSONResponse(await collect(handle, shape, choices, request, tracker))
 
 
 def _request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text format: the engine's figures as of now, the requests' so far."""
+    body, content_type = _state(request).metrics.render(request.headers.get("accept", ""))
+    return Response(body, headers={"Content-Type": content_type})
 
 
 async def list_models(request: Request) -> Response:
@@ -166,4 +178,5 @@ ROUTES = [
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/live", live, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
 ]

@@ -1,4 +1,5 @@
-"""What the routes share: settings, the engine, fail points and the served model's name."""
+"""What the routes share: settings, the engine, fail points, the served model's name and
+the metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from mlx_serve.config import Settings
 from mlx_serve.engine import Engine
 from mlx_serve.failpoints import FailPoints
+from mlx_serve.metrics import ServerMetrics
 from mlx_serve.remote_engine import RemoteEngine
 
 
@@ -18,6 +20,7 @@ class ServerState:
     engine: Engine | RemoteEngine  # in this process, or in an engine process
     failpoints: FailPoints
     model_name: str
+    metrics: ServerMetrics
     started: int = field(default_factory=lambda: int(time.time()))
     # Set by the server runner (``mlx-serve``): shut down gracefully with this status.
     request_exit: Callable[[int], None] | None = None

@@ -14,6 +14,7 @@ from mlx_serve.engine import RequestHandle
 from mlx_serve.errors import MLXServeError
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Delta, Failure, ReplyEvent
+from mlx_serve.metrics import RequestTracker
 from mlx_serve.replies import Choice, ReplyShape
 
 
@@ -38,6 +39,7 @@ def _frame(payload: str) -> bytes:
 async def sse_events(
     handle: RequestHandle, shape: ReplyShape, choices: int, failpoints: FailPoints,
     user: str | None, ping_seconds: float, merge_text: bool = False,
+    tracker: RequestTracker | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE frames of one streamed reply, ending with ``data: [DONE]``.
 
@@ -45,10 +47,12 @@ async def sse_events(
     from cutting the connection. An error after the stream has started becomes an
     ``error`` object, then ``[DONE]``. Leaving early (the client is gone) closes the
     handle, which tells the actor to drop the request's sequences. With ``merge_text``
-    the plain-text deltas that queued up together go out as one chunk.
+    the plain-text deltas that queued up together go out as one chunk. ``tracker`` is
+    told when the first output is in and, once, how the reply ended.
     """
     users = (user,) if user is not None else ()
     state = [Choice(i) for i in range(choices)]
+    error: MLXServeError | None = None
     async with handle:
         try:
             while True:
@@ -56,47 +60,53 @@ async def sse_events(
                     await handle.peek()
                     break
                 yield b": ping\n\n"
+            if tracker is not None:
+                tracker.first_output()
             if shape.chat:
                 await failpoints.acheck("sse.send", users)
                 for i in range(choices):
                     yield _frame(json.dumps(shape.role_chunk(i)))
-            failed = False
             async for event in handle:
                 # Everything that queued up meanwhile goes out in one write: when the
                 # event loop falls behind, each write carries several tokens.
                 pending = [event, *handle.take_ready()]
-                frames, failed = _event_frames(
+                frames, error = _event_frames(
                     shape, state, merge_text_deltas(pending) if merge_text else pending)
                 if frames:
                     if failpoints:
                         await failpoints.acheck("sse.send", users)
                     yield b"".join(frames)
-                if failed:
+                if error is not None:
                     break
-            if not failed and shape.include_usage:
+            if error is None and shape.include_usage:
                 yield _frame(json.dumps(shape.usage_chunk(state)))
         except MLXServeError as exc:
+            error = exc
             yield _frame(json.dumps(exc.to_dict()))
         except Exception as exc:  # a fault in our own send path still ends the stream cleanly
             error = MLXServeError(f"streaming failed: {type(exc).__name__}")
             yield _frame(json.dumps(error.to_dict()))
+        finally:  # also when the client left: the generator is closed at a yield
+            if tracker is not None:
+                tracker.end([c.finish for c in state], sum(c.tokens for c in state),
+                            error.status_code if error is not None else None)
         yield b"data: [DONE]\n\n"
 
 
 def _event_frames(shape: ReplyShape, state: list[Choice], events: list[ReplyEvent]
-                  ) -> tuple[list[bytes], bool]:
-    """The SSE frames of events taken together, and whether one was a failure (its error
-    frame is the last: the stream ends there)."""
+                  ) -> tuple[list[bytes], MLXServeError | None]:
+    """The SSE frames of events taken together, and the error of a failure among them
+    (its error frame is the last: the stream ends there)."""
     frames = []
     for event in events:
         if isinstance(event, Failure):
             frames.append(_frame(json.dumps(event.error.to_dict())))
-            return frames, True
+            return frames, event.error
         choice = state[event.index]
         chunk = shape.delta_chunk(choice, event, shape.absorb(choice, event))
         if chunk is not None:
             frames.append(_frame(chunk))
-    return frames, False
+    return frames, None
 
 
 def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
@@ -124,9 +134,12 @@ def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
     return merged
 
 
-async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, request: Request
-                  ) -> dict:
-    """Wait for a whole reply; a client that disconnects meanwhile cancels the request."""
+async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, request: Request,
+                  tracker: RequestTracker | None = None) -> dict:
+    """Wait for a whole reply; a client that disconnects meanwhile cancels the request.
+
+    A failure is raised (its HTTP error is counted where it becomes a response);
+    ``tracker`` hears of every other ending."""
     state = [Choice(i) for i in range(choices)]
     failure: MLXServeError | None = None
     async with handle, anyio.create_task_group() as tg:
@@ -139,6 +152,8 @@ async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, reques
         tg.cancel_scope.cancel()
     if failure is not None:
         raise failure  # outside the task group, so it is not wrapped in a group
+    if tracker is not None:
+        tracker.end([c.finish for c in state], sum(c.tokens for c in state), None)
     # Choices without a finish only happen when the client went away: nobody reads it.
     return shape.completion(state)
 

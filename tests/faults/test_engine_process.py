@@ -116,8 +116,11 @@ def spawn(launch: Callable[..., ServerProcess]) -> Iterator[Callable[..., Server
 
 def test_health_names_a_live_engine_child(server):
     with httpx.Client(base_url=server.base_url, timeout=5) as c:
-        ready, live = c.get("/health"), c.get("/live")
+        ready, live, metrics = c.get("/health"), c.get("/live"), c.get("/metrics")
     assert ready.status_code == 200 and live.status_code == 200, (ready.text, live.text)
+    # The child's figures reach /metrics as they reach /health.
+    assert 'mlx_serve_engine_state{state="ready"} 1.0' in metrics.text
+    assert "mlx_serve_memory_active_bytes" in metrics.text
     body = ready.json()
     assert body["status"] == "ok" and body["state"] == "ready", body
     assert {"running", "waiting", "steps", "recoveries", "replays", "isolated"} <= set(body)

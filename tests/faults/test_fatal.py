@@ -93,7 +93,10 @@ async def test_every_step_failing_ends_in_failed_and_answers_everyone(launch):
             health_status, _ = await health(client)
             live_status, live = await health(client, "/live")
             latencies = await refused_quickly(client)
+            metrics = (await client.get("/metrics")).text
 
+    assert 'mlx_serve_engine_state{state="failed"} 1.0' in metrics
+    assert 'mlx_serve_request_errors_total{status="503"}' in metrics
     assert_all_failed(replies, {"engine_dead"})
     assert 1 < stats["recoveries"] <= K + 1, f"not failed within {K} rebuilds: {stats}"
     assert health_status == 503 and live_status == 503, (stats, live)
