@@ -46,6 +46,7 @@ async def serve_and_load(runner: Any, mlx: Any, args: Any, model_path: str, coun
     from mlx_serve.engine import Engine, EngineConfig
     from mlx_serve.failpoints import FailPoints
     from mlx_serve.http_errors import EXCEPTION_HANDLERS
+    from mlx_serve.metrics import ServerMetrics
     from mlx_serve.routes import ROUTES
     from mlx_serve.server_state import ServerState
 
@@ -55,7 +56,8 @@ async def serve_and_load(runner: Any, mlx: Any, args: Any, model_path: str, coun
     settings = Settings(model=model_path, decode_batch_size=args.decode_batch_size,
                         prefill_batch_size=args.prefill_batch_size,
                         prefill_step_size=args.prefill_step_size)
-    app.state.server = ServerState(settings, engine, FailPoints(), "layers")
+    app.state.server = ServerState(settings, engine, FailPoints(), "layers",
+                                   ServerMetrics(engine))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
