@@ -30,6 +30,10 @@ class Settings(BaseSettings):
         None, description="mlx-lm model folder or Hugging Face repo id (default: embedded model)"
     )
     served_model_name: str | None = Field(None, description="model id that clients use")
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer KEY' on the /v1 endpoints (prefer "
+                          "the environment variable: a flag shows in the process list)",
+    )
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
     cache_dir: Path | None = Field(None, description="where the default model is converted to")

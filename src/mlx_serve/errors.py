@@ -4,6 +4,7 @@
     ├── RequestError                    400 invalid_request_error
     │   ├── UnsupportedParameterError   400 (an OpenAI field we cannot honour)
     │   └── ContextLengthExceededError  400 context_length_exceeded
+    ├── AuthenticationError             401 invalid_api_key (+ WWW-Authenticate)
     ├── ModelNotFoundError              404 model_not_found
     ├── PayloadTooLargeError            413
     ├── OverloadedError                 429 (+ Retry-After): the inbox is full
@@ -55,6 +56,12 @@ class UnsupportedParameterError(RequestError):
 
 class ContextLengthExceededError(RequestError):
     code = "context_length_exceeded"
+
+
+class AuthenticationError(MLXServeError):
+    status_code = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
 
 
 class ModelNotFoundError(MLXServeError):

@@ -20,6 +20,8 @@ def error_response(request: Request, exc: MLXServeError,
     if server is not None:  # None only before the lifespan has started
         server.metrics.error(exc.status_code)
     headers = dict(headers or {})
+    if exc.status_code == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
     return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=headers)

@@ -177,7 +177,8 @@ class RemoteEngine:
             self._end(code, why)
 
     def _start(self, theirs: socket.socket) -> subprocess.Popen[bytes]:
-        settings = self._settings.model_dump_json()
+        # On the child's command line: never the API key (the child serves no HTTP).
+        settings = self._settings.model_dump_json(exclude={"api_key"})
         command = [sys.executable, "-m", "mlx_serve.engine_host",
                    "--fd", str(theirs.fileno()), "--settings", settings]
         log.info("starting the engine process")

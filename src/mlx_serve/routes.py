@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -15,6 +16,7 @@ from starlette.routing import Route
 
 from mlx_serve.engine import ALIVE_STATES, Engine, EngineState
 from mlx_serve.errors import (
+    AuthenticationError,
     EngineUnavailableError,
     ModelNotFoundError,
     PayloadTooLargeError,
@@ -74,6 +76,19 @@ def _ready_engine(state: ServerState) -> Engine | RemoteEngine:
     return engine
 
 
+def _authorize(request: Request, state: ServerState) -> None:
+    """With ``--api-key``: the /v1 endpoints need ``Authorization: Bearer KEY`` (the
+    health probes and /metrics stay open, as in vLLM)."""
+    key = state.settings.api_key
+    if key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                             key.encode()):
+        raise AuthenticationError("invalid or missing API key: send 'Authorization: "
+                                  "Bearer <key>'")
+
+
 def _check_model(state: ServerState, name: str | None) -> str:
     if name is not None and name != state.model_name:
         raise ModelNotFoundError(
@@ -96,6 +111,7 @@ async def _generate(request: Request, model_type: type[Any], build: Any, *, chat
     """Read, validate and build the engine requests; then reply (streamed or whole)."""
     arrived = time.monotonic()
     state = _state(request)
+    _authorize(request, state)
     body = parse(model_type, await read_json(request, state.settings.max_body_bytes))
     model = _check_model(state, body.model)
     engine = _ready_engine(state)
@@ -145,6 +161,7 @@ async def metrics(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     state = _state(request)
+    _authorize(request, state)
     return JSONResponse({"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": state.started,
         "owned_by": "mlx-serve",

@@ -1,0 +1,74 @@
+"""``--api-key`` (here ``MLX_SERVE_API_KEY``): the /v1 endpoints need the key as a bearer
+token; the probes and /metrics do not. The server runs its engine in a child process,
+whose command line must not carry the key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.http_helpers import HI, MODEL, TIMEOUT
+from tests.server_process import ServerProcess
+
+KEY = "sk-test-4f1d8c"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("api_key") / "server.log"
+    with ServerProcess(tiny_model_dir, log, env={"MLX_SERVE_API_KEY": KEY},
+                       args=["--engine-process"]) as proc:
+        yield proc
+
+
+def sdk(server: ServerProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, timeout=TIMEOUT,
+                         max_retries=0)
+
+
+def test_the_right_key_is_served(server):
+    with sdk(server, KEY) as client:
+        reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_a_wrong_key_is_401_in_openai_shape(server):
+    with sdk(server, "sk-wrong") as client:
+        with pytest.raises(openai.AuthenticationError) as info:
+            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    assert info.value.status_code == 401
+    assert info.value.code == "invalid_api_key"
+
+
+@pytest.mark.parametrize("header", [None, "Basic " + KEY, "Bearer", "Bearer " + KEY + "x"])
+def test_a_missing_or_malformed_authorization_is_401(server, header):
+    headers = {"Authorization": header} if header is not None else {}
+    response = httpx.post(server.base_url + "/v1/chat/completions", headers=headers,
+                          json={"messages": HI, "max_tokens": 2}, timeout=TIMEOUT)
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("path", ["/health", "/live", "/metrics"])
+def test_probes_and_metrics_need_no_key(server, path):
+    assert httpx.get(server.base_url + path, timeout=TIMEOUT).status_code == 200
+
+
+def test_the_engine_process_command_line_has_no_key(server):
+    pid = httpx.get(server.base_url + "/health", timeout=TIMEOUT).json()["engine_pid"]
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if not cmdline.exists():
+        pytest.skip("no /proc on this platform")
+    assert b"--settings" in cmdline.read_bytes()
+    assert KEY.encode() not in cmdline.read_bytes()
