@@ -199,6 +199,10 @@ def test_served_model_name_changes_the_model_id(server, http):
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=TIMEOUT,
                        max_retries=0) as client:
         assert [m.id for m in client.models.list().data] == [MODEL]
+        assert client.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve("tiny")  # the folder's name is not the served id
+        assert info.value.code == "model_not_found"
         reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
         assert reply.model == MODEL
 

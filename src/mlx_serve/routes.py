@@ -159,13 +159,23 @@ async def metrics(request: Request) -> Response:
     return Response(body, headers={"Content-Type": content_type})
 
 
+def _model_object(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.started,
+            "owned_by": "mlx-serve"}
+
+
 async def list_models(request: Request) -> Response:
     state = _state(request)
     _authorize(request, state)
-    return JSONResponse({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.started,
-        "owned_by": "mlx-serve",
-    }]})
+    return JSONResponse({"object": "list", "data": [_model_object(state)]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``)."""
+    state = _state(request)
+    _authorize(request, state)
+    _check_model(state, request.path_params["model"])
+    return JSONResponse(_model_object(state))
 
 
 async def health(request: Request) -> Response:
@@ -193,6 +203,7 @@ ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/live", live, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
