@@ -15,6 +15,8 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 
 from mlx_serve.config import Settings
 from mlx_serve.engine import Engine, EngineState
@@ -112,7 +114,13 @@ def create_app(settings: Settings | None = None) -> Starlette:
     from mlx_serve.debug_routes import debug_routes
 
     routes = ROUTES + (debug_routes() if settings.failpoints_http else [])
-    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    # CORS only when asked for: its middleware sits on every streamed chunk's send, and a
+    # server open to every web page's scripts should be a choice (Ollama's default too).
+    middleware = [Middleware(CORSMiddleware, allow_origins=settings.origins,
+                             allow_methods=["GET", "POST"], allow_headers=["*"])
+                  ] if settings.origins else []
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
 
 
 def __getattr__(name: str) -> Any:

@@ -34,6 +34,10 @@ class Settings(BaseSettings):
         None, description="require 'Authorization: Bearer KEY' on the /v1 endpoints (prefer "
                           "the environment variable: a flag shows in the process list)",
     )
+    allowed_origins: str | None = Field(
+        None, description="comma-separated origins whose pages a browser may let call this "
+                          "server (CORS; '*' for any); default: none",
+    )
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
     cache_dir: Path | None = Field(None, description="where the default model is converted to")
@@ -119,6 +123,10 @@ class Settings(BaseSettings):
         True, description="log a line per HTTP request, as uvicorn does (mlx-serve only; "
                           "plain uvicorn has --no-access-log)",
     )
+
+    @property
+    def origins(self) -> list[str]:
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
     @model_validator(mode="after")
     def _debug_endpoints_only_on_loopback(self) -> Settings:

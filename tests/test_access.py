@@ -1,6 +1,6 @@
-"""``--api-key`` (here ``MLX_SERVE_API_KEY``): the /v1 endpoints need the key as a bearer
-token; the probes and /metrics do not. The server runs its engine in a child process,
-whose command line must not carry the key."""
+"""Who may call: ``--api-key`` (here ``MLX_SERVE_API_KEY``), which the /v1 endpoints need
+as a bearer token and the probes and /metrics do not, and ``--allowed-origins`` (CORS).
+The server runs its engine in a child process, whose command line must not carry the key."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tests.http_helpers import HI, MODEL, TIMEOUT
 from tests.server_process import ServerProcess
 
 KEY = "sk-test-4f1d8c"
+ORIGIN = "https://app.example"
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("api_key") / "server.log"
     with ServerProcess(tiny_model_dir, log, env={"MLX_SERVE_API_KEY": KEY},
-                       args=["--engine-process"]) as proc:
+                       args=["--engine-process", "--allowed-origins", ORIGIN]) as proc:
         yield proc
 
 
@@ -72,3 +73,39 @@ def test_the_engine_process_command_line_has_no_key(server):
         pytest.skip("no /proc on this platform")
     assert b"--settings" in cmdline.read_bytes()
     assert KEY.encode() not in cmdline.read_bytes()
+
+
+# -- browsers ------------------------------------------------------------------------------
+
+def test_cors_is_off_unless_asked_for():
+    from mlx_serve.app import create_app
+    from mlx_serve.config import Settings
+
+    assert create_app(Settings()).user_middleware == []
+    assert Settings(allowed_origins=" https://a.example, *").origins == ["https://a.example", "*"]
+
+
+def test_an_allowed_origin_passes_the_preflight_without_a_key(server):
+    response = httpx.options(server.base_url + "/v1/chat/completions", timeout=TIMEOUT,
+                             headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                                      "Access-Control-Request-Headers": "authorization"})
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in response.headers["access-control-allow-methods"]
+
+
+def test_replies_name_the_allowed_origin_and_no_other(server):
+    body = {"messages": HI, "max_tokens": 2, "stream": True}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as http:
+        allowed = http.post("/v1/chat/completions", json=body,
+                            headers={**auth, "Origin": ORIGIN})
+        other = http.post("/v1/chat/completions", json=body,
+                          headers={**auth, "Origin": "https://elsewhere.example"})
+        preflight = http.options("/v1/chat/completions", headers={
+            "Origin": "https://elsewhere.example", "Access-Control-Request-Method": "POST"})
+    assert allowed.status_code == other.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == ORIGIN
+    assert allowed.text.rstrip().endswith("data: [DONE]")
+    assert "access-control-allow-origin" not in other.headers
+    assert preflight.status_code == 400
