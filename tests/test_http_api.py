@@ -127,11 +127,14 @@ def test_completion_streaming_with_the_sdk_matches_non_streaming(client):
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_raw_sse_stream_with_include_usage(server, tokenizer, path):
+def stream_with_usage(server, tokenizer, path: str, options: dict[str, Any] | None = None,
+                      **fields: Any) -> tuple[bool, int, list[str]]:
+    """Stream 6 tokens of ``hi`` from ``path`` with ``include_usage`` (plus ``options``
+    and ``fields``); return whether it was chat, the prompt's tokens and the SSE data."""
     chat = path.endswith("chat/completions")
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True,
-                            "stream_options": {"include_usage": True}, "logit_bias": NO_EOS}
+                            "stream_options": {"include_usage": True, **(options or {})},
+                            "logit_bias": NO_EOS, **fields}
     if chat:
         body["messages"] = HI
         prompt_tokens = chat_prompt_tokens(tokenizer, HI)
@@ -142,9 +145,14 @@ def test_raw_sse_stream_with_include_usage(server, tokenizer, path):
         with c.stream("POST", path, json=body) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
-            lines = list(response.iter_lines())
-    data = sse_data(lines)
+            data = sse_data(list(response.iter_lines()))
     assert data[-1] == "[DONE]"
+    return chat, prompt_tokens, data
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_raw_sse_stream_with_include_usage(server, tokenizer, path):
+    chat, prompt_tokens, data = stream_with_usage(server, tokenizer, path)
     assert data.count("[DONE]") == 1
     events = [json.loads(d) for d in data[:-1]]
     *chunks, usage_chunk = events
@@ -169,21 +177,8 @@ def test_raw_sse_stream_with_include_usage(server, tokenizer, path):
 def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(
         server, tokenizer, path):
     # vLLM's stream option: usage in every chunk, counting the chunk's own choice's tokens.
-    chat = path.endswith("chat/completions")
-    body: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True,
-                            "n": 2, "logit_bias": NO_EOS, "stream_options": {
-                                "include_usage": True, "continuous_usage_stats": True}}
-    if chat:
-        body["messages"] = HI
-        prompt_tokens = chat_prompt_tokens(tokenizer, HI)
-    else:
-        body["prompt"] = "hi"
-        prompt_tokens = len(tokenizer.encode("hi").ids)
-    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as c:
-        with c.stream("POST", path, json=body) as response:
-            assert response.status_code == 200
-            data = sse_data(list(response.iter_lines()))
-    assert data[-1] == "[DONE]"
+    chat, prompt_tokens, data = stream_with_usage(
+        server, tokenizer, path, n=2, options={"continuous_usage_stats": True})
     *chunks, final = [json.loads(d) for d in data[:-1]]
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 12
     counts: dict[int, list[int]] = {0: [], 1: []}
