@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faults.harness import (
     COMPLETIONS,
@@ -121,14 +122,26 @@ async def test_every_request_ends_once_whatever_fails(launch, reference, model_n
                 else:
                     replies.append(await call(client, body, stream, path)())
 
+    scrapes: list[int] = []
+
+    async def scrape_metrics(done: anyio.Event) -> None:
+        async with http_client(server) as client:
+            while not done.is_set():
+                scrapes.append((await client.get("/metrics")).status_code)
+
     with anyio.fail_after(240):
-        async with anyio.create_task_group() as tg:
-            for seed in range(WORKERS):
-                tg.start_soon(worker, seed)
+        async with anyio.create_task_group() as outer:
+            done = anyio.Event()
+            outer.start_soon(scrape_metrics, done)
+            async with anyio.create_task_group() as tg:
+                for seed in range(WORKERS):
+                    tg.start_soon(worker, seed)
+            done.set()
     for reply in replies:
         check_ending(reply)
     failed = sum(bool(r.errors) for r in replies)
     assert left and failed and len(replies) - failed > len(replies) // 2  # the mix was real
+    assert scrapes and set(scrapes) == {200}
 
     async with http_client(server) as client:
         async def settled() -> dict[str, Any] | None:
@@ -138,7 +151,21 @@ async def test_every_request_ends_once_whatever_fails(launch, reference, model_n
 
         body = await wait_until(settled, 30, "the server to end idle and ready")
         assert body["recoveries"] > 0  # steps did fail, and were recovered from
+        counted = metric_totals((await client.get("/metrics")).text)
         for site in SITES:
             await clear_failpoint(client, site)
+    # Every ending the clients saw was counted (streams left early may add their own).
+    assert counted["mlx_serve_request_success_total"] >= sum(len(r.finishes) for r in replies)
+    assert counted["mlx_serve_request_errors_total"] >= failed
+    assert counted["mlx_serve_request_aborted_total"] <= left
     await assert_serves(server, reference, model_name)
     assert_log_clean(server, allowed=("chaos",))
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Each sample name's sum over its labels."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
