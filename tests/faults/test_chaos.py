@@ -2,7 +2,7 @@
 site and clients that hang up mid-stream. Whatever happens, every request ends with
 exactly one terminal event in valid JSON, the server ends idle and ready, it still
 answers exactly, and its log holds no unexpected error: with the engine in the server's
-process and in a child of its own.
+process (streaming every token, and four at a time) and in a child of its own.
 
 The faults: 2 % of batch steps raise (replayed), 0.5 % fail after their tokens are in
 (replayed too), 2 % of admissions raise (that request fails alone) and 0.5 % of SSE
@@ -103,7 +103,8 @@ async def leave_early(client: httpx.AsyncClient, path: str, body: dict[str, Any]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", [[], ["--engine-process"]], ids=["one-process", "engine-process"])
+@pytest.mark.parametrize("mode", [[], ["--stream-interval", "4"], ["--engine-process"]],
+                         ids=["one-process", "stream-interval-4", "engine-process"])
 async def test_every_request_ends_once_whatever_fails(launch, reference, model_name, mode):
     server = launch("--max-n", "4", "--failpoints-http", *mode, failpoints=FAULTS)
     replies: list[Reply] = []
