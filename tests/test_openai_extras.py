@@ -4,8 +4,10 @@ raw HTTP where the JSON itself is checked)."""
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
+from tokenizers import Tokenizer
 
 from tests.http_helpers import strict_json
 
@@ -172,3 +174,37 @@ def test_stop_strings_count_only_after_min_tokens(client):
     # Inside the first m tokens a stop string does not count; right after them it does.
     assert complete(stop=[first], extra_body={"min_tokens": m}) == (full.text, "length")
     assert complete(stop=[after], extra_body={"min_tokens": m}) == ("".join(pieces[:m]), "stop")
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    prompt = "Once upon a time"
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                      temperature=0, logit_bias=NO_EOS).choices[0].text
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                      temperature=0, logit_bias=NO_EOS, echo=True)
+    assert whole.choices[0].text == prompt + plain
+    assert whole.usage.completion_tokens == 5
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                            temperature=0, logit_bias=NO_EOS, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text == prompt  # the echo is the choice's first chunk
+    assert "".join(c.choices[0].text for c in chunks) == prompt + plain
+
+
+def test_echo_of_several_prompts_and_of_token_ids(client, tiny_model_dir):
+    def text(prompt, **extra) -> list[str]:
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=3,
+                                          temperature=0, logit_bias=NO_EOS, **extra)
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    prompts = ["The cat", "A dog"]
+    plain = text(prompts)
+    # Choices 0-1 answer the first prompt, 2-3 the second; each echoes its own.
+    assert text(prompts, n=2, echo=True) == [prompts[i // 2] + plain[i // 2] for i in range(4)]
+    ids = [100, 101, 102]
+    decoded = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).decode(ids)
+    assert decoded and text(ids, echo=True) == [decoded + text(ids)[0]]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, echo=True,
+                                  logprobs=1)
+    assert info.value.param == "echo"

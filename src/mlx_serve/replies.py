@@ -73,6 +73,7 @@ class ReplyShape:
     reasoning_format: str = "reasoning"
     tool_parser: Any = None
     tools: list[dict] | None = None
+    echo: dict[int, str] = field(default_factory=dict)  # completions: each choice's prompt
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     _text_frames: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False)
@@ -140,6 +141,11 @@ class ReplyShape:
         elif self.include_usage:
             body["usage"] = None
         return body
+
+    def echo_chunk(self, index: int, prompt: str) -> dict:
+        """A completion's echoed prompt, its choice's first chunk."""
+        return self._envelope([{"index": index, "text": prompt, "logprobs": None,
+                                "finish_reason": None}])
 
     def role_chunk(self, index: int) -> dict:
         return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -210,7 +216,8 @@ class ReplyShape:
                 items.append({"index": c.index, "message": message, "logprobs": logprobs,
                               "finish_reason": c.finish})
             else:
-                items.append({"index": c.index, "text": "".join(c.content),
+                items.append({"index": c.index,
+                              "text": self.echo.get(c.index, "") + "".join(c.content),
                               "logprobs": logprobs, "finish_reason": c.finish})
         return {"id": self.id, "object": self._object(chunk=False), "created": self.created,
                 "model": self.model, "choices": items,

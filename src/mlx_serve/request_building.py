@@ -39,6 +39,7 @@ class Prepared:
     logprobs: int | None = None
     tools: list[dict] | None = None
     reasoning_format: str = "reasoning"
+    echo: dict[int, str] = dataclasses.field(default_factory=dict)  # choice -> its prompt
 
 
 def _unsupported(param: str, why: str = "is not supported by this server") -> None:
@@ -63,8 +64,9 @@ def check_shared_fields(body: ChatCompletionRequest | CompletionRequest, setting
 
 
 def check_completion_fields(body: CompletionRequest) -> None:
-    if body.echo:
-        _unsupported("echo")
+    if body.echo and body.logprobs is not None:
+        _unsupported("echo", "with logprobs is not supported (it needs the prompt's own "
+                             "log-probabilities)")
     if body.best_of not in (None, 1, body.n):
         _unsupported("best_of", "must equal n")
     if body.suffix:
@@ -236,4 +238,17 @@ async def build_completion_request(
     for i, prompt in enumerate(prompts):  # OpenAI numbers choices prompt by prompt
         params = sampling_params(body, body.max_tokens, len(prompt), runner, settings)
         reqs += choices(request_id, prompt, params, body.n, i * body.n, body.user, output)
-    return Prepared(tuple(reqs), sum(len(p) for p in prompts), body.logprobs)
+    echo = _echoes(body, prompts, runner) if body.echo else {}
+    return Prepared(tuple(reqs), sum(len(p) for p in prompts), body.logprobs, echo=echo)
+
+
+def _echoes(body: CompletionRequest, prompts: list[list[int]], runner: Any) -> dict[int, str]:
+    """Each choice's prompt as text: as sent, or decoded when sent as token ids."""
+    texts: list[str]
+    if isinstance(body.prompt, str):
+        texts = [body.prompt]
+    elif isinstance(body.prompt[0], str):
+        texts = [str(p) for p in body.prompt]
+    else:  # token ids, one prompt or several
+        texts = [runner.tokenizer.decode(p) for p in prompts]
+    return {i * body.n + j: text for i, text in enumerate(texts) for j in range(body.n)}

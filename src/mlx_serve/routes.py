@@ -135,7 +135,7 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
                        logprobs=prepared.logprobs,
                        reasoning_format=prepared.reasoning_format,
                        tool_parser=getattr(tokenizer, "tool_parser", None) if prepared.tools
-                       else None, tools=prepared.tools, id=request_id)
+                       else None, tools=prepared.tools, echo=prepared.echo, id=request_id)
     interval = state.settings.stream_interval
     # A whole reply wakes its handler once, at the end; a stream every `interval` tokens.
     handle = state.engine.submit(*prepared.requests,

@@ -66,6 +66,8 @@ async def sse_events(
                 await failpoints.acheck("sse.send", users)
                 for i in range(choices):
                     yield _frame(json.dumps(shape.role_chunk(i)))
+            for i, prompt in shape.echo.items():  # a completion's echo comes first
+                yield _frame(json.dumps(shape.echo_chunk(i, prompt)))
             async for event in handle:
                 # Everything that queued up meanwhile goes out in one write: when the
                 # event loop falls behind, each write carries several tokens.
