@@ -142,6 +142,29 @@ class CompletionRequest(_Request):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a completion's ``prompt`` or a chat's ``messages``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # vLLM's defaults: prompt True, chat False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: Annotated[list[int], Field(max_length=1 << 20)]
+
+
 _Request.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()

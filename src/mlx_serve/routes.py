@@ -21,12 +21,24 @@ from mlx_serve.errors import (
     ModelNotFoundError,
     PayloadTooLargeError,
     RequestError,
+    UnsupportedParameterError,
 )
 from mlx_serve.metrics import RequestTracker
-from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
+from mlx_serve.prompts import render_chat
+from mlx_serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from mlx_serve.remote_engine import RemoteEngine
 from mlx_serve.replies import ReplyShape
-from mlx_serve.request_building import Prepared, build_chat_request, build_completion_request
+from mlx_serve.request_building import (
+    Prepared,
+    build_chat_request,
+    build_completion_request,
+    off_loop_if_long,
+)
 from mlx_serve.server_state import ServerState
 from mlx_serve.streaming import SSEResponse, collect, fail_fast, sse_events
 
@@ -178,6 +190,48 @@ async def retrieve_model(request: Request) -> Response:
     return JSONResponse(_model_object(state))
 
 
+async def tokenize(request: Request) -> Response:
+    """vLLM's ``/tokenize``: the prompt tokens a completion (``prompt``) or a chat
+    (``messages``, through the chat template) would have here."""
+    state = _state(request)
+    body = parse(TokenizeRequest, await read_json(request, state.settings.max_body_bytes))
+    _check_model(state, body.model)
+    runner = _ready_engine(state).runner
+    if (body.prompt is None) == (body.messages is None):
+        raise RequestError("give either 'prompt' or 'messages'", param="prompt")
+    if body.messages is not None:
+        for name, unsupported in (("add_generation_prompt", not body.add_generation_prompt),
+                                  ("continue_final_message", body.continue_final_message),
+                                  ("add_special_tokens", bool(body.add_special_tokens))):
+            if unsupported:  # a chat prompt here is always what a chat request would get
+                raise UnsupportedParameterError(f"'{name}' is not supported with messages",
+                                                param=name)
+        chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                     chat_template_kwargs=body.chat_template_kwargs)
+        rendered = await off_loop_if_long(None, render_chat, runner.tokenizer, runner.encode,
+                                          chat)
+        tokens = rendered.tokens
+    else:
+        special = body.add_special_tokens is not False
+        tokens = await off_loop_if_long(len(body.prompt or ""), runner.encode, body.prompt,
+                                        special)
+    strs = runner.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return JSONResponse({"count": len(tokens), "max_model_len": runner.context_length,
+                         "tokens": tokens, "token_strs": strs})
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's ``/detokenize``: token ids -> text."""
+    state = _state(request)
+    body = parse(DetokenizeRequest, await read_json(request, state.settings.max_body_bytes))
+    _check_model(state, body.model)
+    runner = _ready_engine(state).runner
+    if any(not 0 <= t < runner.vocab_size for t in body.tokens):
+        raise RequestError("'tokens' holds a token id outside the vocabulary", param="tokens")
+    text = await off_loop_if_long(len(body.tokens), runner.tokenizer.decode, body.tokens)
+    return JSONResponse({"prompt": text})
+
+
 async def health(request: Request) -> Response:
     """Readiness: 200 only while the engine can take work. Never waits on the actor."""
     stats = _state(request).engine.statistics()
@@ -207,4 +261,6 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/live", live, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
 ]
