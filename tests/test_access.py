@@ -66,6 +66,12 @@ def test_probes_and_metrics_need_no_key(server, path):
     assert httpx.get(server.base_url + path, timeout=TIMEOUT).status_code == 200
 
 
+@pytest.mark.parametrize(("path", "body"), [("/tokenize", {"prompt": "hi"}),
+                                            ("/detokenize", {"tokens": [100]})])
+def test_tokenizing_needs_no_key_as_in_vllm(server, path, body):
+    assert httpx.post(server.base_url + path, json=body, timeout=TIMEOUT).status_code == 200
+
+
 def test_the_engine_process_command_line_has_no_key(server):
     pid = httpx.get(server.base_url + "/health", timeout=TIMEOUT).json()["engine_pid"]
     cmdline = Path(f"/proc/{pid}/cmdline")
