@@ -47,6 +47,8 @@ def test_a_wrong_key_is_401_in_openai_shape(server):
             client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
     assert info.value.status_code == 401
     assert info.value.code == "invalid_api_key"
 

@@ -142,6 +142,66 @@ class CompletionRequest(_Request):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
+class InputText(BaseModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    """One message of a Responses ``input`` (the only kind of input item served here)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+
+
+class TextFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: TextFormat | None = None
+
+
+# Responses API fields that would change the output and that are not served here.
+RESPONSES_UNSUPPORTED = frozenset({
+    "previous_response_id", "conversation", "background", "prompt", "include", "reasoning",
+    "top_logprobs", "max_tool_calls", "context_management", "moderation", "image",
+    "background_options", "access_programs",
+})
+# Responses API fields accepted that change nothing about the generated text.
+RESPONSES_NO_EFFECT = frozenset({
+    "store", "metadata", "parallel_tool_calls", "service_tier", "safety_identifier",
+    "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "stream_options",
+})
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's ``POST /v1/responses``, stateless: text in, text out."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    user: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize``: a completion's ``prompt`` or a chat's ``messages``."""
 

@@ -29,15 +29,22 @@ from mlx_serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from mlx_serve.remote_engine import RemoteEngine
-from mlx_serve.replies import ReplyShape
+from mlx_serve.replies import Choice, ReplyShape
 from mlx_serve.request_building import (
     Prepared,
     build_chat_request,
     build_completion_request,
     off_loop_if_long,
+)
+from mlx_serve.responses_api import (
+    ResponseBuilder,
+    as_chat_request,
+    response_events,
+    whole_response,
 )
 from mlx_serve.server_state import ServerState
 from mlx_serve.streaming import SSEResponse, collect, fail_fast, sse_events
@@ -190,6 +197,31 @@ async def retrieve_model(request: Request) -> Response:
     return JSONResponse(_model_object(state))
 
 
+async def responses(request: Request) -> Response:
+    """OpenAI's Responses API, stateless: generated as the equivalent chat request."""
+    arrived = time.monotonic()
+    state = _state(request)
+    _authorize(request, state)
+    body = parse(ResponsesRequest, await read_json(request, state.settings.max_body_bytes))
+    model = _check_model(state, body.model)
+    engine = _ready_engine(state)
+    request_id = _request_id("resp")
+    prepared = await build_chat_request(as_chat_request(body), engine.runner, state.settings,
+                                        request_id)
+    tracker = state.metrics.track(prepared.prompt_tokens, arrived)
+    shape = ReplyShape(chat=True, model=model, prompt_tokens=prepared.prompt_tokens,
+                       reasoning_format=prepared.reasoning_format, id=request_id)
+    builder = ResponseBuilder(body, model, request_id)
+    handle = state.engine.submit(*prepared.requests, wake_every=1 if body.stream else None)
+    if body.stream:
+        await fail_fast(handle, request, state.settings.sse_ping_seconds)
+        return SSEResponse(response_events(handle, shape, builder,
+                                           state.settings.sse_ping_seconds, tracker))
+    choice = Choice(0)
+    chat = await collect(handle, shape, 1, request, tracker, into=[choice])
+    return JSONResponse(whole_response(builder, chat, choice))
+
+
 async def tokenize(request: Request) -> Response:
     """vLLM's ``/tokenize``: the prompt tokens a completion (``prompt``) or a chat
     (``messages``, through the chat template) would have here."""
@@ -256,6 +288,7 @@ async def live(request: Request) -> Response:
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/health", health, methods=["GET"]),

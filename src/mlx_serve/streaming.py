@@ -137,12 +137,14 @@ def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
 
 
 async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, request: Request,
-                  tracker: RequestTracker | None = None) -> dict:
+                  tracker: RequestTracker | None = None, into: list[Choice] | None = None
+                  ) -> dict:
     """Wait for a whole reply; a client that disconnects meanwhile cancels the request.
 
     A failure is raised (its HTTP error is counted where it becomes a response);
-    ``tracker`` hears of every other ending."""
-    state = [Choice(i) for i in range(choices)]
+    ``tracker`` hears of every other ending. ``into``: the choices to fill (fresh ones
+    by default), for a caller that builds its own reply from them."""
+    state = into if into is not None else [Choice(i) for i in range(choices)]
     failure: MLXServeError | None = None
     async with handle, anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)

@@ -1,0 +1,204 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless: a request becomes a chat
+request for the same engine, and its reply a Response object or its stream of events.
+
+Served: ``input`` as text or messages, ``instructions``, ``max_output_tokens``,
+``temperature``, ``top_p``, ``text.format`` (json_object and json_schema through the
+same structured output as chat), ``user``, ``stream``. Nothing is stored, so anything
+that refers to an earlier response, and tools, are a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from mlx_serve.engine import RequestHandle
+from mlx_serve.errors import MLXServeError, UnsupportedParameterError
+from mlx_serve.generation import Failure
+from mlx_serve.metrics import RequestTracker
+from mlx_serve.protocol import (
+    RESPONSES_NO_EFFECT,
+    RESPONSES_UNSUPPORTED,
+    ChatCompletionRequest,
+    ChatMessage,
+    ResponseFormat,
+    ResponsesRequest,
+)
+from mlx_serve.replies import Choice, ReplyShape
+
+log = logging.getLogger(__name__)
+
+
+def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that generates this response; a 400 for what is not served."""
+    for name, value in (body.model_extra or {}).items():
+        if name in RESPONSES_UNSUPPORTED:
+            if value not in (None, False, [], {}):
+                raise UnsupportedParameterError(f"'{name}' is not supported by this server",
+                                                param=name)
+        elif name not in RESPONSES_NO_EFFECT:
+            log.warning("ignoring unknown request field %r", name)
+    if body.tools:
+        raise UnsupportedParameterError("'tools' are not supported in /v1/responses here; "
+                                        "use /v1/chat/completions", param="tools")
+    if body.tool_choice not in (None, "auto", "none"):
+        raise UnsupportedParameterError("'tool_choice' needs tools", param="tool_choice")
+    if body.truncation == "auto":
+        raise UnsupportedParameterError("'truncation': 'auto' is not supported (an input "
+                                        "over the context is a 400)", param="truncation")
+    messages = [ChatMessage(role="system", content=body.instructions)] \
+        if body.instructions else []
+    if isinstance(body.input, str):
+        messages.append(ChatMessage(role="user", content=body.input))
+    else:
+        for item in body.input:
+            text = item.content if isinstance(item.content, str) else \
+                "".join(part.text for part in item.content)
+            messages.append(ChatMessage(role=item.role, content=text))
+    return ChatCompletionRequest(
+        messages=messages, max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, stream=body.stream, user=body.user,
+        response_format=_response_format(body))
+
+
+def _response_format(body: ResponsesRequest) -> ResponseFormat | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    return ResponseFormat(type="json_schema", json_schema={
+        "name": fmt.name or "response", "schema": fmt.schema_ or {}, "strict": fmt.strict})
+
+
+class ResponseBuilder:
+    """The Response object of one request, in the states a stream reports it in."""
+
+    def __init__(self, body: ResponsesRequest, model: str, request_id: str) -> None:
+        self._body = body
+        self.model = model
+        self.id = request_id
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        return {"id": self.message_id, "type": "message", "status": status,
+                "role": "assistant", "content": [_output_text(text)] if text else []}
+
+    def response(self, status: str, choice: Choice | None = None, prompt_tokens: int = 0,
+                 error: MLXServeError | None = None) -> dict[str, Any]:
+        body = self._body
+        output = []
+        incomplete = None
+        if choice is not None:
+            if choice.reasoning:
+                output.append({"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning",
+                               "summary": [], "content": [
+                                   {"type": "reasoning_text",
+                                    "text": "".join(choice.reasoning)}]})
+            text = "".join(choice.content)
+            output.append(self.message(text, "incomplete" if status == "incomplete"
+                                       else "completed"))
+            if status == "incomplete":
+                incomplete = {"reason": "max_output_tokens"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "error": {"code": error.code or error.error_type, "message": error.message}
+            if error is not None else None,
+            "incomplete_details": incomplete, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "model": self.model,
+            "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+            "store": False, "temperature": body.temperature, "top_p": body.top_p,
+            "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
+                     if body.text and body.text.format else {"type": "text"}},
+            "tool_choice": "auto", "tools": [], "truncation": "disabled", "user": body.user,
+            "metadata": (body.model_extra or {}).get("metadata") or {},
+            "usage": _usage(choice, prompt_tokens) if choice is not None else None,
+        }
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _usage(choice: Choice, prompt_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": choice.cached_tokens},
+            "output_tokens": choice.tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + choice.tokens}
+
+
+def final_status(choice: Choice) -> str:
+    return "incomplete" if choice.finish == "length" else "completed"
+
+
+def whole_response(builder: ResponseBuilder, chat: dict[str, Any], choice: Choice) -> dict:
+    """A non-streamed Response from the collected chat reply's choice."""
+    return builder.response(final_status(choice), choice, chat["usage"]["prompt_tokens"])
+
+
+async def response_events(handle: RequestHandle, shape: ReplyShape, builder: ResponseBuilder,
+                          ping_seconds: float, tracker: RequestTracker | None = None
+                          ) -> AsyncIterator[bytes]:
+    """The Responses stream: created, in progress, the message's text deltas, then
+    completed (incomplete at max_output_tokens, failed on an error)."""
+    sequence = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal sequence
+        data = json.dumps({"type": kind, "sequence_number": sequence, **fields})
+        sequence += 1
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    where = {"item_id": builder.message_id, "output_index": 0, "content_index": 0}
+    choice = Choice(0)
+    error: MLXServeError | None = None
+    yield event("response.created", response=builder.response("in_progress"))
+    yield event("response.in_progress", response=builder.response("in_progress"))
+    async with handle:
+        try:
+            while True:
+                with anyio.move_on_after(ping_seconds):
+                    await handle.peek()
+                    break
+                yield b": ping\n\n"
+            if tracker is not None:
+                tracker.first_output()
+            yield event("response.output_item.added", output_index=0,
+                        item=builder.message("", "in_progress"))
+            yield event("response.content_part.added", **where, part=_output_text(""))
+            async for item in handle:
+                if isinstance(item, Failure):
+                    error = item.error
+                    break
+                shape.absorb(choice, item)
+                if item.text:
+                    yield event("response.output_text.delta", **where, delta=item.text,
+                                logprobs=[])
+        except MLXServeError as exc:
+            error = exc
+        except Exception as exc:  # a fault in our own send path still ends the stream cleanly
+            error = MLXServeError(f"streaming failed: {type(exc).__name__}")
+        finally:
+            if tracker is not None:
+                tracker.end([choice.finish], choice.tokens,
+                            error.status_code if error is not None else None)
+    if error is not None:
+        yield event("response.failed", response=builder.response(
+            "failed", choice, shape.prompt_tokens, error))
+        return
+    text = "".join(choice.content)
+    status = final_status(choice)
+    yield event("response.output_text.done", **where, text=text, logprobs=[])
+    yield event("response.content_part.done", **where, part=_output_text(text))
+    yield event("response.output_item.done", output_index=0,
+                item=builder.message(text, "completed" if status == "completed" else status))
+    yield event(f"response.{status}",
+                response=builder.response(status, choice, shape.prompt_tokens))

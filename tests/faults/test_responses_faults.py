@@ -1,0 +1,55 @@
+"""A Responses API stream whose request turns out to make steps fail: after its first
+text it ends with ``response.failed`` carrying the error, while a healthy stream beside
+it completes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.faults.harness import PROMPTS, http_client
+from tests.faults.server_watch import assert_log_clean
+from tests.http_helpers import strict_json
+
+pytestmark = pytest.mark.anyio
+
+POISON = "engine.step[user=poison]=4*off->raise(ValueError:poisoned)"
+
+
+async def stream_events(client, body: dict[str, Any]) -> list[dict[str, Any]]:
+    events = []
+    async with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if line.startswith("data:"):
+                events.append(strict_json(line[len("data:"):]))
+    return events
+
+
+async def test_a_failing_request_ends_its_stream_with_response_failed(launch):
+    server = launch(failpoints=POISON)
+    bodies = [{"input": PROMPTS[i], "max_output_tokens": 32, "temperature": 0}
+              for i in range(2)]
+    bodies[0]["user"] = "poison"
+    results: list[list[dict[str, Any]]] = [[], []]
+
+    async def one(i: int) -> None:
+        async with http_client(server) as client:
+            results[i] = await stream_events(client, bodies[i])
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(one, i)
+    poisoned, healthy = results
+    kinds = [e["type"] for e in poisoned]
+    assert kinds[-1] == "response.failed", kinds
+    assert "response.output_text.delta" in kinds  # it failed after its first text
+    failed = poisoned[-1]["response"]
+    assert failed["status"] == "failed"
+    assert failed["error"]["code"] == "generation_failed", failed["error"]
+    assert healthy[-1]["type"] == "response.incomplete"
+    assert healthy[-1]["response"]["usage"]["output_tokens"] == 32
+    assert_log_clean(server, allowed=["poisoned"])

@@ -1,0 +1,87 @@
+"""OpenAI's Responses API through the official SDK (``client.responses``): the same
+generation as the equivalent chat request, whole or as its stream of events."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.http_helpers import MODEL, client_fixture, server_fixture
+
+server = server_fixture("responses")
+client = client_fixture()
+QUESTION = "Tell me a story."
+
+
+def chat_text(client, messages, max_tokens: int) -> tuple[str, str, int]:
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                           max_tokens=max_tokens)
+    choice = reply.choices[0]
+    return choice.message.content, choice.finish_reason, reply.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("max_tokens", [4, 40])  # the tiny model runs on to the limit
+def test_a_response_is_what_the_chat_request_generates(client, max_tokens):
+    response = client.responses.create(model=MODEL, input=QUESTION, temperature=0,
+                                       instructions="Be brief.", max_output_tokens=max_tokens)
+    text, finish, prompt_tokens = chat_text(client, [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
+        max_tokens)
+    assert response.object == "response" and response.id.startswith("resp")
+    assert response.output_text == text
+    assert response.status == ("incomplete" if finish == "length" else "completed")
+    if finish == "length":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == prompt_tokens
+    assert response.usage.total_tokens == prompt_tokens + response.usage.output_tokens
+
+
+def test_the_stream_carries_the_same_text_in_order(client):
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.responses.create(model=MODEL, input=messages, temperature=0,
+                                    max_output_tokens=6)
+    events = list(client.responses.create(model=MODEL, input=messages, temperature=0,
+                                          max_output_tokens=6, stream=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 1 and kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", *["response.output_text.delta"] * deltas,
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text == whole.output_text
+    assert events[-1].response.usage.output_tokens == 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_text_format_is_enforced_and_completes(client, stream):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    reply = client.responses.create(
+        model=MODEL, input="A number, as JSON.", temperature=0, max_output_tokens=200,
+        stream=stream, text={"format": {"type": "json_schema", "name": "number",
+                                        "schema": schema, "strict": True}})
+    if stream:
+        events = list(reply)
+        assert events[-1].type == "response.completed"
+        reply = events[-1].response
+    # The grammar ends the reply with the end-of-sequence token: completed, not cut off.
+    assert reply.status == "completed" and reply.incomplete_details is None
+    assert isinstance(json.loads(reply.output_text)["n"], int)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+])
+def test_what_is_not_served_is_a_400_naming_it(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**{"model": MODEL, "input": QUESTION, **extra})
+    assert info.value.param is not None and info.value.param.startswith(param)
