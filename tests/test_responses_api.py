@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import json
 
+import anyio
+import httpx
 import openai
 import pytest
 
-from tests.http_helpers import MODEL, client_fixture, server_fixture
+from tests.http_helpers import (
+    MODEL,
+    TIMEOUT,
+    client_fixture,
+    health,
+    read_then_leave,
+    server_fixture,
+    wait_health,
+)
 
 server = server_fixture("responses")
 client = client_fixture()
@@ -85,3 +95,19 @@ def test_what_is_not_served_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**{"model": MODEL, "input": QUESTION, **extra})
     assert info.value.param is not None and info.value.param.startswith(param)
+
+
+@pytest.mark.parametrize("lines", [1, 6])  # at response.created; after two text deltas
+def test_a_client_leaving_a_stream_ends_its_request(server, lines):
+    steps = health(server)["steps"]
+
+    async def leave() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=TIMEOUT) as http:
+            await read_then_leave(http, "/v1/responses", {
+                "model": MODEL, "input": QUESTION, "max_output_tokens": 1500,
+                "stream": True}, lines=lines)
+
+    anyio.run(leave)
+    # Without its client the request leaves the batch, long before its 1,500 tokens.
+    body = wait_health(server, lambda body: body["running"] == 0 and body["waiting"] == 0)
+    assert body["steps"] - steps < 1000, body

@@ -103,8 +103,8 @@ class ResponseBuilder:
                                    {"type": "reasoning_text",
                                     "text": "".join(choice.reasoning)}]})
             text = "".join(choice.content)
-            output.append(self.message(text, "incomplete" if status == "incomplete"
-                                       else "completed"))
+            output.append(self.message(text, "completed" if status == "completed"
+                                       else "incomplete"))
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
         return {
@@ -160,10 +160,10 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
     where = {"item_id": builder.message_id, "output_index": 0, "content_index": 0}
     choice = Choice(0)
     error: MLXServeError | None = None
-    yield event("response.created", response=builder.response("in_progress"))
-    yield event("response.in_progress", response=builder.response("in_progress"))
-    async with handle:
+    async with handle:  # first: a client gone at any yield below closes the request
         try:
+            yield event("response.created", response=builder.response("in_progress"))
+            yield event("response.in_progress", response=builder.response("in_progress"))
             while True:
                 with anyio.move_on_after(ping_seconds):
                     await handle.peek()
