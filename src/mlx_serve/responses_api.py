@@ -16,8 +16,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
-
 from mlx_serve.engine import RequestHandle
 from mlx_serve.errors import MLXServeError, UnsupportedParameterError
 from mlx_serve.generation import Failure
@@ -31,6 +29,7 @@ from mlx_serve.protocol import (
     ResponsesRequest,
 )
 from mlx_serve.replies import Choice, ReplyShape
+from mlx_serve.streaming import pings_until_output, tell_tracker
 
 log = logging.getLogger(__name__)
 
@@ -144,19 +143,24 @@ def whole_response(builder: ResponseBuilder, chat: dict[str, Any], choice: Choic
     return builder.response(final_status(choice), choice, chat["usage"]["prompt_tokens"])
 
 
+class _EventWriter:
+    """SSE frames of Responses events, numbered in order."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        data = json.dumps({"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+
 async def response_events(handle: RequestHandle, shape: ReplyShape, builder: ResponseBuilder,
                           ping_seconds: float, tracker: RequestTracker | None = None
                           ) -> AsyncIterator[bytes]:
     """The Responses stream: created, in progress, the message's text deltas, then
     completed (incomplete at max_output_tokens, failed on an error)."""
-    sequence = 0
-
-    def event(kind: str, **fields: Any) -> bytes:
-        nonlocal sequence
-        data = json.dumps({"type": kind, "sequence_number": sequence, **fields})
-        sequence += 1
-        return f"event: {kind}\ndata: {data}\n\n".encode()
-
+    event = _EventWriter()
     where = {"item_id": builder.message_id, "output_index": 0, "content_index": 0}
     choice = Choice(0)
     error: MLXServeError | None = None
@@ -164,11 +168,8 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
         try:
             yield event("response.created", response=builder.response("in_progress"))
             yield event("response.in_progress", response=builder.response("in_progress"))
-            while True:
-                with anyio.move_on_after(ping_seconds):
-                    await handle.peek()
-                    break
-                yield b": ping\n\n"
+            async for ping in pings_until_output(handle, ping_seconds):
+                yield ping
             if tracker is not None:
                 tracker.first_output()
             yield event("response.output_item.added", output_index=0,
@@ -187,18 +188,23 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
         except Exception as exc:  # a fault in our own send path still ends the stream cleanly
             error = MLXServeError(f"streaming failed: {type(exc).__name__}")
         finally:
-            if tracker is not None:
-                tracker.end([choice.finish], choice.tokens,
-                            error.status_code if error is not None else None)
+            tell_tracker(tracker, [choice], error)
+    for frame in _closing_events(event, builder, where, choice, shape.prompt_tokens, error):
+        yield frame
+
+
+def _closing_events(event: _EventWriter, builder: ResponseBuilder, where: dict[str, Any],
+                    choice: Choice, prompt_tokens: int, error: MLXServeError | None
+                    ) -> list[bytes]:
     if error is not None:
-        yield event("response.failed", response=builder.response(
-            "failed", choice, shape.prompt_tokens, error))
-        return
+        return [event("response.failed", response=builder.response(
+            "failed", choice, prompt_tokens, error))]
     text = "".join(choice.content)
     status = final_status(choice)
-    yield event("response.output_text.done", **where, text=text, logprobs=[])
-    yield event("response.content_part.done", **where, part=_output_text(text))
-    yield event("response.output_item.done", output_index=0,
-                item=builder.message(text, "completed" if status == "completed" else status))
-    yield event(f"response.{status}",
-                response=builder.response(status, choice, shape.prompt_tokens))
+    return [
+        event("response.output_text.done", **where, text=text, logprobs=[]),
+        event("response.content_part.done", **where, part=_output_text(text)),
+        event("response.output_item.done", output_index=0, item=builder.message(
+            text, "completed" if status == "completed" else "incomplete")),
+        event(f"response.{status}", response=builder.response(status, choice, prompt_tokens)),
+    ]

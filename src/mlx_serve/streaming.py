@@ -36,6 +36,25 @@ def _frame(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+async def pings_until_output(handle: RequestHandle, ping_seconds: float
+                             ) -> AsyncIterator[bytes]:
+    """An SSE comment every ``ping_seconds`` until the request's first event is in, so
+    that idle-timeout proxies keep the connection."""
+    while True:
+        with anyio.move_on_after(ping_seconds):
+            await handle.peek()
+            return
+        yield b": ping\n\n"
+
+
+def tell_tracker(tracker: RequestTracker | None, choices: list[Choice],
+                 error: MLXServeError | None) -> None:
+    """How a reply ended, for the metrics."""
+    if tracker is not None:
+        tracker.end([c.finish for c in choices], sum(c.tokens for c in choices),
+                    error.status_code if error is not None else None)
+
+
 async def sse_events(
     handle: RequestHandle, shape: ReplyShape, choices: int, failpoints: FailPoints,
     user: str | None, ping_seconds: float, merge_text: bool = False,
@@ -55,19 +74,16 @@ async def sse_events(
     error: MLXServeError | None = None
     async with handle:
         try:
-            while True:
-                with anyio.move_on_after(ping_seconds):
-                    await handle.peek()
-                    break
-                yield b": ping\n\n"
+            async for ping in pings_until_output(handle, ping_seconds):
+                yield ping
             if tracker is not None:
                 tracker.first_output()
             if shape.chat:
                 await failpoints.acheck("sse.send", users)
-                for i in range(choices):
-                    yield _frame(json.dumps(shape.role_chunk(i)))
-            for i, prompt in shape.echo.items():  # a completion's echo comes first
-                yield _frame(json.dumps(shape.echo_chunk(i, prompt)))
+            # The chat's role chunks, or a completion's echoed prompts, come first.
+            for chunk in ([shape.role_chunk(i) for i in range(choices)] if shape.chat else
+                          [shape.echo_chunk(i, prompt) for i, prompt in shape.echo.items()]):
+                yield _frame(json.dumps(chunk))
             async for event in handle:
                 # Everything that queued up meanwhile goes out in one write: when the
                 # event loop falls behind, each write carries several tokens.
@@ -89,9 +105,7 @@ async def sse_events(
             error = MLXServeError(f"streaming failed: {type(exc).__name__}")
             yield _frame(json.dumps(error.to_dict()))
         finally:  # also when the client left: the generator is closed at a yield
-            if tracker is not None:
-                tracker.end([c.finish for c in state], sum(c.tokens for c in state),
-                            error.status_code if error is not None else None)
+            tell_tracker(tracker, state, error)
         yield b"data: [DONE]\n\n"
 
 
@@ -156,8 +170,7 @@ async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, reques
         tg.cancel_scope.cancel()
     if failure is not None:
         raise failure  # outside the task group, so it is not wrapped in a group
-    if tracker is not None:
-        tracker.end([c.finish for c in state], sum(c.tokens for c in state), None)
+    tell_tracker(tracker, state, None)
     # Choices without a finish only happen when the client went away: nobody reads it.
     return shape.completion(state)
 
