@@ -125,15 +125,21 @@ async def completions(request: Request) -> Response:
     return await _generate(request, CompletionRequest, build_completion_request, chat=False)
 
 
+async def _open(request: Request, model_type: type[Any]
+                ) -> tuple[ServerState, Any, str, Engine | RemoteEngine]:
+    """What every generating endpoint does first: authorize, read and validate the body,
+    check its model, and make sure the engine takes work."""
+    state = _state(request)
+    _authorize(request, state)
+    body = parse(model_type, await read_json(request, state.settings.max_body_bytes))
+    return state, body, _check_model(state, body.model), _ready_engine(state)
+
+
 async def _generate(request: Request, model_type: type[Any], build: Any, *, chat: bool
                     ) -> Response:
     """Read, validate and build the engine requests; then reply (streamed or whole)."""
     arrived = time.monotonic()
-    state = _state(request)
-    _authorize(request, state)
-    body = parse(model_type, await read_json(request, state.settings.max_body_bytes))
-    model = _check_model(state, body.model)
-    engine = _ready_engine(state)
+    state, body, model, engine = await _open(request, model_type)
     request_id = _request_id("chatcmpl" if chat else "cmpl")
     prepared = await build(body, engine.runner, state.settings, request_id)
     tracker = state.metrics.track(prepared.prompt_tokens, arrived)
@@ -200,11 +206,7 @@ async def retrieve_model(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     """OpenAI's Responses API, stateless: generated as the equivalent chat request."""
     arrived = time.monotonic()
-    state = _state(request)
-    _authorize(request, state)
-    body = parse(ResponsesRequest, await read_json(request, state.settings.max_body_bytes))
-    model = _check_model(state, body.model)
-    engine = _ready_engine(state)
+    state, body, model, engine = await _open(request, ResponsesRequest)
     request_id = _request_id("resp")
     prepared = await build_chat_request(as_chat_request(body), engine.runner, state.settings,
                                         request_id)
