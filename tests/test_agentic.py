@@ -197,3 +197,72 @@ def test_tool_and_template_fields_we_cannot_honour_are_400(agentic_server, body,
     reply = chat(agentic_server, **body)
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == param
+
+
+# -- the Responses API's function tools ---------------------------------------------------
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather",
+                  "parameters": BOUNDED_TOOLS[0]["function"]["parameters"]}
+
+
+def sdk(server: ServerProcess):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=30,
+                         max_retries=0)
+
+
+def test_a_forced_function_call_comes_back_as_a_function_call_item(agentic_server):
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    chat_call = chat(agentic_server, tools=BOUNDED_TOOLS, tool_choice=forced, max_tokens=80,
+                     messages=[{"role": "user", "content": "What is the weather in Paris?"}]
+                     ).json()["choices"][0]["message"]["tool_calls"][0]
+    with sdk(agentic_server) as client:
+        response = client.responses.create(
+            model="agentic", input="What is the weather in Paris?", tools=[RESPONSES_TOOL],
+            tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80,
+            temperature=0)
+        events = list(client.responses.create(
+            model="agentic", input="What is the weather in Paris?", tools=[RESPONSES_TOOL],
+            tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80,
+            temperature=0, stream=True))
+    assert response.status == "completed"
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert (call.name, call.arguments) == ("get_weather", chat_call["function"]["arguments"])
+    assert call.call_id == call.id.removeprefix("fc_")
+    kinds = [e.type for e in events if e.type != "response.output_text.delta"]
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
+        # the call, whole, once parsed: item 1
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        # the message, item 0, then the response
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert (done.name, done.arguments, done.output_index) == (
+        "get_weather", chat_call["function"]["arguments"], 1)  # the message is item 0
+    final = events[-1].response
+    assert final.status == "completed"
+    assert [(o.type, getattr(o, "name", None)) for o in final.output] == [
+        ("message", None), ("function_call", "get_weather")]
+
+
+def test_function_calls_and_their_outputs_go_in_as_the_chat_history(agentic_server):
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    as_chat = chat(agentic_server, messages=history, tools=BOUNDED_TOOLS, max_tokens=1).json()
+    with sdk(agentic_server) as client:
+        response = client.responses.create(model="agentic", tools=[RESPONSES_TOOL],
+                                           max_output_tokens=1, input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}])
+    assert response.usage.input_tokens == as_chat["usage"]["prompt_tokens"]

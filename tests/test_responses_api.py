@@ -86,10 +86,13 @@ def test_a_json_schema_text_format_is_enforced_and_completes(client, stream):
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),  # no template
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
 ])
 def test_what_is_not_served_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:

@@ -157,6 +157,37 @@ class InputMessage(BaseModel):
     content: str | list[InputText]
 
 
+class FunctionCallItem(BaseModel):
+    """An earlier function call of the model, as a Responses input item."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    """A function call's result, as a Responses input item."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class FunctionTool(BaseModel):
+    """A Responses tool: a function, described flat (not under ``function``)."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
 class TextFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -183,13 +214,19 @@ RESPONSES_NO_EFFECT = frozenset({
 })
 
 
+class ResponsesNamedToolChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
 class ResponsesRequest(BaseModel):
     """OpenAI's ``POST /v1/responses``, stateless: text in, text out."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    input: str | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutputItem],
+                           Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -197,8 +234,8 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: TextConfig | None = None
     user: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     truncation: Literal["auto", "disabled"] | None = None
 
 

@@ -1,10 +1,11 @@
 """OpenAI's Responses API (``POST /v1/responses``), stateless: a request becomes a chat
 request for the same engine, and its reply a Response object or its stream of events.
 
-Served: ``input`` as text or messages, ``instructions``, ``max_output_tokens``,
-``temperature``, ``top_p``, ``text.format`` (json_object and json_schema through the
-same structured output as chat), ``user``, ``stream``. Nothing is stored, so anything
-that refers to an earlier response, and tools, are a 400.
+Served: ``input`` as text, messages, function calls and their outputs,
+``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``, function ``tools``
+with ``tool_choice``, ``text.format`` (json_object and json_schema through the same
+structured output as chat), ``user``, ``stream``. Nothing is stored, so anything that
+refers to an earlier response is a 400.
 """
 
 from __future__ import annotations
@@ -25,8 +26,16 @@ from mlx_serve.protocol import (
     RESPONSES_UNSUPPORTED,
     ChatCompletionRequest,
     ChatMessage,
+    FunctionCall,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionDefinition,
+    NamedToolChoice,
     ResponseFormat,
+    ResponsesNamedToolChoice,
     ResponsesRequest,
+    Tool,
+    ToolCall,
 )
 from mlx_serve.replies import Choice, ReplyShape
 from mlx_serve.streaming import pings_until_output, tell_tracker
@@ -43,27 +52,44 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                                                 param=name)
         elif name not in RESPONSES_NO_EFFECT:
             log.warning("ignoring unknown request field %r", name)
-    if body.tools:
-        raise UnsupportedParameterError("'tools' are not supported in /v1/responses here; "
-                                        "use /v1/chat/completions", param="tools")
-    if body.tool_choice not in (None, "auto", "none"):
-        raise UnsupportedParameterError("'tool_choice' needs tools", param="tool_choice")
     if body.truncation == "auto":
         raise UnsupportedParameterError("'truncation': 'auto' is not supported (an input "
                                         "over the context is a 400)", param="truncation")
+    tools = [Tool(type="function", function=FunctionDefinition(
+        name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
+        for t in body.tools] if body.tools else None
+    choice: Any = body.tool_choice
+    if isinstance(choice, ResponsesNamedToolChoice):
+        choice = NamedToolChoice(type="function", function={"name": choice.name})
+    return ChatCompletionRequest(
+        messages=_messages(body), max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, stream=body.stream, user=body.user,
+        response_format=_response_format(body), tools=tools, tool_choice=choice)
+
+
+def _messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """Instructions and input items as chat messages: a function call joins the
+    assistant message before it (or opens one), its output is a tool message."""
     messages = [ChatMessage(role="system", content=body.instructions)] \
         if body.instructions else []
-    if isinstance(body.input, str):
-        messages.append(ChatMessage(role="user", content=body.input))
-    else:
-        for item in body.input:
+    for item in [ChatMessage(role="user", content=body.input)] \
+            if isinstance(body.input, str) else body.input:
+        if isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
+                                                                   arguments=item.arguments))
+            if not messages or messages[-1].role != "assistant":
+                messages.append(ChatMessage(role="assistant", content=None))
+            messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                        content=item.output))
+        elif isinstance(item, ChatMessage):
+            messages.append(item)
+        else:
             text = item.content if isinstance(item.content, str) else \
                 "".join(part.text for part in item.content)
             messages.append(ChatMessage(role=item.role, content=text))
-    return ChatCompletionRequest(
-        messages=messages, max_completion_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, stream=body.stream, user=body.user,
-        response_format=_response_format(body))
+    return messages
 
 
 def _response_format(body: ResponsesRequest) -> ResponseFormat | None:
@@ -104,6 +130,7 @@ class ResponseBuilder:
             text = "".join(choice.content)
             output.append(self.message(text, "completed" if status == "completed"
                                        else "incomplete"))
+            output += [function_call_item(call) for call in choice.tool_calls]
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
         return {
@@ -120,6 +147,13 @@ class ResponseBuilder:
             "metadata": (body.model_extra or {}).get("metadata") or {},
             "usage": _usage(choice, prompt_tokens) if choice is not None else None,
         }
+
+
+def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
+    """A chat tool call as a Responses output item."""
+    return {"id": f"fc_{call['id']}", "type": "function_call", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+            "status": "completed"}
 
 
 def _output_text(text: str) -> dict[str, Any]:
@@ -179,10 +213,14 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
                 if isinstance(item, Failure):
                     error = item.error
                     break
-                shape.absorb(choice, item)
+                calls = shape.absorb(choice, item)
                 if item.text:
                     yield event("response.output_text.delta", **where, delta=item.text,
                                 logprobs=[])
+                first = len(choice.tool_calls) - len(calls) + 1  # the message is item 0
+                for index, call in enumerate(calls, first):
+                    for frame in _call_events(event, index, function_call_item(call)):
+                        yield frame
         except MLXServeError as exc:
             error = exc
         except Exception as exc:  # a fault in our own send path still ends the stream cleanly
@@ -191,6 +229,18 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
             tell_tracker(tracker, [choice], error)
     for frame in _closing_events(event, builder, where, choice, shape.prompt_tokens, error):
         yield frame
+
+
+def _call_events(event: _EventWriter, index: int, item: dict[str, Any]) -> list[bytes]:
+    """One function call, whole: the model's calls are parsed once they are complete."""
+    where = {"item_id": item["id"], "output_index": index}
+    return [event("response.output_item.added", output_index=index,
+                  item={**item, "arguments": "", "status": "in_progress"}),
+            event("response.function_call_arguments.delta", **where,
+                  delta=item["arguments"]),
+            event("response.function_call_arguments.done", **where, name=item["name"],
+                  arguments=item["arguments"]),
+            event("response.output_item.done", output_index=index, item=item)]
 
 
 def _closing_events(event: _EventWriter, builder: ResponseBuilder, where: dict[str, Any],

@@ -154,13 +154,8 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
     include_usage = bool(options and options.include_usage)
     # As vLLM: usage in every chunk only on top of the final usage chunk.
     continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
-    tokenizer = state.engine.runner.tokenizer
-    shape = ReplyShape(chat=chat, model=model, prompt_tokens=prepared.prompt_tokens,
-                       include_usage=include_usage, continuous_usage=continuous_usage,
-                       logprobs=prepared.logprobs,
-                       reasoning_format=prepared.reasoning_format,
-                       tool_parser=getattr(tokenizer, "tool_parser", None) if prepared.tools
-                       else None, tools=prepared.tools, echo=prepared.echo, id=request_id)
+    shape = _reply_shape(state, prepared, request_id, model, chat=chat,
+                         include_usage=include_usage, continuous_usage=continuous_usage)
     interval = state.settings.stream_interval
     # A whole reply wakes its handler once, at the end; a stream every `interval` tokens.
     handle = state.engine.submit(*prepared.requests,
@@ -172,6 +167,18 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
                                       state.settings.sse_ping_seconds,
                                       merge_text=interval > 1, tracker=tracker))
     return JSONResponse(await collect(handle, shape, choices, request, tracker))
+
+
+def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model: str, *,
+                 chat: bool, **options: Any) -> ReplyShape:
+    """What the reply needs from the prepared request (tool calls parsed with the model
+    family's parser when tools were offered)."""
+    parser = getattr(state.engine.runner.tokenizer, "tool_parser", None) \
+        if prepared.tools else None
+    return ReplyShape(chat=chat, model=model, prompt_tokens=prepared.prompt_tokens,
+                      logprobs=prepared.logprobs, reasoning_format=prepared.reasoning_format,
+                      tool_parser=parser, tools=prepared.tools, echo=prepared.echo,
+                      id=request_id, **options)
 
 
 def _request_id(prefix: str) -> str:
@@ -211,8 +218,7 @@ async def responses(request: Request) -> Response:
     prepared = await build_chat_request(as_chat_request(body), engine.runner, state.settings,
                                         request_id)
     tracker = state.metrics.track(prepared.prompt_tokens, arrived)
-    shape = ReplyShape(chat=True, model=model, prompt_tokens=prepared.prompt_tokens,
-                       reasoning_format=prepared.reasoning_format, id=request_id)
+    shape = _reply_shape(state, prepared, request_id, model, chat=True)
     builder = ResponseBuilder(body, model, request_id)
     handle = state.engine.submit(*prepared.requests, wake_every=1 if body.stream else None)
     if body.stream:
