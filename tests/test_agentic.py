@@ -27,6 +27,16 @@ SCRIPT = ('Let me check.</think>Sure. <tool_call>{"name": "get_weather", '
           '"arguments": {"city": "Paris"}}</tool_call>')
 
 
+# A finished call and its result, as chat messages.
+HISTORY = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+
+
 @pytest.fixture(scope="module")
 def agentic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("agentic") / "agentic", agentic=True)
@@ -133,14 +143,7 @@ def test_thinking_models_return_reasoning_separately(agentic_server):
 
 def test_tools_and_tool_results_go_through_the_template(agentic_server):
     without = chat(agentic_server).json()["usage"]["prompt_tokens"]
-    history = [
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-    ]
-    reply = chat(agentic_server, messages=history, tools=TOOLS, tool_choice="auto")
+    reply = chat(agentic_server, messages=HISTORY, tools=TOOLS, tool_choice="auto")
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["prompt_tokens"] > without + 20
     none = chat(agentic_server, tools=TOOLS, tool_choice="none").json()
@@ -250,14 +253,7 @@ def test_a_forced_function_call_comes_back_as_a_function_call_item(agentic_serve
 
 
 def test_function_calls_and_their_outputs_go_in_as_the_chat_history(agentic_server):
-    history = [
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-    ]
-    as_chat = chat(agentic_server, messages=history, tools=BOUNDED_TOOLS, max_tokens=1).json()
+    as_chat = chat(agentic_server, messages=HISTORY, tools=BOUNDED_TOOLS, max_tokens=1).json()
     with sdk(agentic_server) as client:
         response = client.responses.create(model="agentic", tools=[RESPONSES_TOOL],
                                            max_output_tokens=1, input=[
