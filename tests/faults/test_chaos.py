@@ -28,6 +28,7 @@ from tests.faults.harness import (
     http_client,
 )
 from tests.faults.server_watch import assert_log_clean, clear_failpoint, health, wait_until
+from tests.http_helpers import strict_json
 
 pytestmark = pytest.mark.anyio
 
@@ -38,14 +39,17 @@ FAULTS = ";".join([
     "engine.admit=2%raise(RuntimeError:chaos admit)",
     "sse.send=0.5%raise(ConnectionResetError:chaos send)",
 ])
+RESPONSES = "/v1/responses"
 WORKERS = 12
 REQUESTS_PER_WORKER = 40
 LEAVE_SHARE = 0.1  # streams whose client hangs up after a few events
 
 
 def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
-    """A valid request of any kind this server serves: chat or completion, with the
-    sampling, stop, logprob, choice and usage options mixed at random."""
+    """A valid request of any kind this server serves: chat, completion or Responses, with
+    the sampling, stop, logprob, choice and usage options mixed at random."""
+    if rng.random() < 0.15:
+        return RESPONSES, random_responses_body(rng)
     chat = rng.random() < 0.6
     body: dict[str, Any] = {"max_tokens": rng.randint(1, 32),
                             "temperature": rng.choice([0, 0.7, 1.0]),
@@ -73,6 +77,52 @@ def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
     elif rng.random() < 0.1:
         body["echo"] = True
     return COMPLETIONS, body
+
+
+def random_responses_body(rng: random.Random) -> dict[str, Any]:
+    body: dict[str, Any] = {"input": rng.choice(PROMPTS),
+                            "max_output_tokens": rng.randint(1, 32),
+                            "temperature": rng.choice([0, 0.7, 1.0])}
+    if rng.random() < 0.3:
+        body["instructions"] = "Be brief."
+    if rng.random() < 0.2:
+        body["user"] = rng.choice(["alice", "bob"])
+    if rng.random() < 0.1:
+        body["text"] = {"format": {"type": "json_object"}}
+    return body
+
+
+async def responses_call(client: httpx.AsyncClient, body: dict[str, Any], stream: bool
+                         ) -> Reply:
+    """A Responses request, recorded as a chat reply would be: its completed or incomplete
+    response as a finish, a failed response (a server-side failure) as an error."""
+    reply = Reply({**body, "n": 1}, stream=stream)
+
+    def record(response: dict[str, Any]) -> None:
+        if response["status"] == "failed":
+            reply.errors.append({"type": "server_error", **response["error"]})
+        else:
+            reply.finishes.append("length" if response["status"] == "incomplete" else "stop")
+
+    try:
+        async with client.stream("POST", RESPONSES, json={**body, "stream": stream}) as resp:
+            reply.status = resp.status_code
+            if resp.status_code != 200 or not stream:
+                payload = strict_json((await resp.aread()).decode())
+                if resp.status_code != 200:
+                    reply.errors.append(payload["error"])
+                else:
+                    record(payload)
+                return reply
+            async for line in resp.aiter_lines():
+                event = strict_json(line[len("data:"):]) if line.startswith("data:") else {}
+                if event.get("type") in ("response.completed", "response.incomplete",
+                                         "response.failed"):
+                    record(event["response"])
+            reply.done = 1  # a Responses stream ends without [DONE]: its end counts
+    except httpx.HTTPError as exc:
+        reply.transport_error = f"{type(exc).__name__}: {exc}"
+    return reply
 
 
 def check_ending(reply: Reply) -> None:
@@ -122,6 +172,8 @@ async def test_every_request_ends_once_whatever_fails(launch, reference, model_n
                 if stream and rng.random() < LEAVE_SHARE:
                     await leave_early(client, path, body, lines=rng.randint(1, 4))
                     left += 1
+                elif path == RESPONSES:
+                    replies.append(await responses_call(client, body, stream))
                 else:
                     replies.append(await call(client, body, stream, path)())
 
