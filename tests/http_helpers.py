@@ -108,10 +108,12 @@ def printable_window(text: str, start: int, size: int) -> int | None:
 
 
 async def read_then_leave(client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                          lines: int = 5) -> None:
-    """Stream ``body`` to ``path``, read ``lines`` SSE data lines, then hang up."""
+                          lines: int = 5, require_ok: bool = True) -> None:
+    """Stream ``body`` to ``path``, read ``lines`` SSE data lines (or an error reply, when
+    not ``require_ok``), then hang up."""
     async with client.stream("POST", path, json=body) as response:
-        assert response.status_code == 200
+        if require_ok:
+            assert response.status_code == 200
         received = 0
         async for line in response.aiter_lines():
             received += line.startswith("data:")

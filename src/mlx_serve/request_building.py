@@ -46,6 +46,19 @@ def _unsupported(param: str, why: str = "is not supported by this server") -> No
     raise UnsupportedParameterError(f"'{param}' {why}", param=param)
 
 
+def check_extra_fields(extra: dict[str, Any] | None, unsupported: frozenset[str],
+                       no_effect: frozenset[str]) -> None:
+    """The field policy for what a request model does not declare: a field that would
+    change the output is a 400 unless it is off; one that changes nothing is accepted;
+    anything else (a vendor's) is ignored with a warning, as vLLM does."""
+    for name, value in (extra or {}).items():
+        if name in unsupported:
+            if value not in (None, False, [], {}):
+                _unsupported(name)
+        elif name not in no_effect:
+            log.warning("ignoring unknown request field %r", name)
+
+
 def check_shared_fields(body: ChatCompletionRequest | CompletionRequest, settings: Settings
                         ) -> None:
     """Checks both endpoints share: OpenAI fields we cannot honour, vendor extras, ``n``,
@@ -53,12 +66,7 @@ def check_shared_fields(body: ChatCompletionRequest | CompletionRequest, setting
     if body.stream_options is not None and not body.stream:
         raise RequestError("'stream_options' is only allowed when 'stream' is true",
                            param="stream_options")
-    for name, value in (body.model_extra or {}).items():
-        if name in UNSUPPORTED_FIELDS:
-            if value not in (None, False, [], {}):
-                _unsupported(name)
-        elif name not in ACCEPTED_NO_EFFECT:
-            log.warning("ignoring unknown request field %r", name)
+    check_extra_fields(body.model_extra, UNSUPPORTED_FIELDS, ACCEPTED_NO_EFFECT)
     if body.n > settings.max_n:
         _unsupported("n", f"must be at most {settings.max_n}")
 

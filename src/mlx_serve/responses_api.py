@@ -11,7 +11,6 @@ refers to an earlier response is a 400.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,20 +37,13 @@ from mlx_serve.protocol import (
     ToolCall,
 )
 from mlx_serve.replies import Choice, ReplyShape
+from mlx_serve.request_building import check_extra_fields
 from mlx_serve.streaming import pings_until_output, tell_tracker
-
-log = logging.getLogger(__name__)
 
 
 def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates this response; a 400 for what is not served."""
-    for name, value in (body.model_extra or {}).items():
-        if name in RESPONSES_UNSUPPORTED:
-            if value not in (None, False, [], {}):
-                raise UnsupportedParameterError(f"'{name}' is not supported by this server",
-                                                param=name)
-        elif name not in RESPONSES_NO_EFFECT:
-            log.warning("ignoring unknown request field %r", name)
+    check_extra_fields(body.model_extra, RESPONSES_UNSUPPORTED, RESPONSES_NO_EFFECT)
     if body.truncation == "auto":
         raise UnsupportedParameterError("'truncation': 'auto' is not supported (an input "
                                         "over the context is a 400)", param="truncation")
@@ -172,9 +164,9 @@ def final_status(choice: Choice) -> str:
     return "incomplete" if choice.finish == "length" else "completed"
 
 
-def whole_response(builder: ResponseBuilder, chat: dict[str, Any], choice: Choice) -> dict:
-    """A non-streamed Response from the collected chat reply's choice."""
-    return builder.response(final_status(choice), choice, chat["usage"]["prompt_tokens"])
+def whole_response(builder: ResponseBuilder, choice: Choice, prompt_tokens: int) -> dict:
+    """A non-streamed Response from its collected choice."""
+    return builder.response(final_status(choice), choice, prompt_tokens)
 
 
 class _EventWriter:

@@ -226,8 +226,8 @@ async def responses(request: Request) -> Response:
         return SSEResponse(response_events(handle, shape, builder,
                                            state.settings.sse_ping_seconds, tracker))
     choice = Choice(0)
-    chat = await collect(handle, shape, 1, request, tracker, into=[choice])
-    return JSONResponse(whole_response(builder, chat, choice))
+    await collect(handle, shape, 1, request, tracker, into=[choice])
+    return JSONResponse(whole_response(builder, choice, shape.prompt_tokens))
 
 
 async def tokenize(request: Request) -> Response:

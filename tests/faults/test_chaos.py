@@ -28,7 +28,7 @@ from tests.faults.harness import (
     http_client,
 )
 from tests.faults.server_watch import assert_log_clean, clear_failpoint, health, wait_until
-from tests.http_helpers import strict_json
+from tests.http_helpers import read_then_leave, strict_json
 
 pytestmark = pytest.mark.anyio
 
@@ -143,17 +143,6 @@ def check_ending(reply: Reply) -> None:
         assert not reply.finishes, info
 
 
-async def leave_early(client: httpx.AsyncClient, path: str, body: dict[str, Any], lines: int
-                      ) -> None:
-    """Stream, read up to ``lines`` data lines (or an error reply), then hang up."""
-    async with client.stream("POST", path, json={**body, "stream": True}) as response:
-        received = 0
-        async for line in response.aiter_lines():
-            received += line.startswith("data:")
-            if received >= lines:
-                break
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", [[], ["--stream-interval", "4"], ["--engine-process"]],
                          ids=["one-process", "stream-interval-4", "engine-process"])
@@ -170,7 +159,8 @@ async def test_every_request_ends_once_whatever_fails(launch, reference, model_n
                 path, body = random_body(rng)
                 stream = rng.random() < 0.7
                 if stream and rng.random() < LEAVE_SHARE:
-                    await leave_early(client, path, body, lines=rng.randint(1, 4))
+                    await read_then_leave(client, path, {**body, "stream": True},
+                                          lines=rng.randint(1, 4), require_ok=False)
                     left += 1
                 elif path == RESPONSES:
                     replies.append(await responses_call(client, body, stream))

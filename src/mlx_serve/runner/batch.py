@@ -93,6 +93,7 @@ class Runner:
         # Created on the MLX thread: MLX streams belong to the thread that made them.
         self._stream = mx.default_stream(mx.default_device())
         self._eos_ids = tuple(sorted(tokenizer.eos_token_ids))
+        self._eos_set = frozenset(self._eos_ids)  # what ignore_eos hides from the text
         self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
         has_markers = getattr(tokenizer, "has_thinking", False) or getattr(
             tokenizer, "has_tool_calling", False)
@@ -274,7 +275,7 @@ class Runner:
     def _new_live(self, request: GenerationRequest) -> _Live:
         # An ignored end-of-sequence token takes its place in the reply but shows no text
         # (vLLM leaves special tokens out of the text too).
-        hidden = frozenset(self._eos_ids) if request.params.ignore_eos else frozenset()
+        hidden = self._eos_set if request.params.ignore_eos else frozenset()
         text = TextPipeline(self._new_detokenizer(), request, self._text_machine, hidden)
         return _Live(request, text)
 
@@ -314,8 +315,8 @@ class Runner:
         if live.cached_tokens is None:  # the first admission, not a replay
             live.cached_tokens = len(prompt) - len(rest)
         params = live.request.params
-        processors = make_request_processors(params, len(live.request.prompt_tokens),
-                                             self._end_ids(params))
+        end_ids = self._end_ids(params)
+        processors = make_request_processors(params, len(live.request.prompt_tokens), end_ids)
         fmt = live.request.output.response_format
         if fmt is not None:  # a fresh matcher, fast-forwarded over what was generated
             processors.append(fmt.make_processor_at(  # type: ignore[attr-defined]
@@ -327,7 +328,7 @@ class Runner:
             all_tokens=[prompt[: len(prompt) - len(rest)]],
             samplers=[make_request_sampler(params, len(live.generated))],
             logits_processors=[processors],
-            stop_sequences=[self._stops_for(params)],
+            stop_sequences=[self._stops_for(end_ids)],
         )
         live.uid = uid
         self._by_uid[uid] = live
@@ -337,9 +338,8 @@ class Runner:
         eos = () if params.ignore_eos else self._eos_ids
         return tuple(sorted(set(eos) | set(params.stop_token_ids)))
 
-    def _stops_for(self, params: SamplingParams) -> StopSequences:
-        """Stop sequences of the request's end tokens, shared between requests."""
-        ids = self._end_ids(params)
+    def _stops_for(self, ids: tuple[int, ...]) -> StopSequences:
+        """Stop sequences of a request's end tokens, shared between requests."""
         stops = self._stop_sequences.get(ids)
         if stops is None:
             stops = self._stop_sequences[ids] = StopSequences([(t,) for t in ids])
