@@ -72,6 +72,8 @@ def test_probes_and_metrics_need_no_key(server, path):
                                             ("/detokenize", {"tokens": [100]})])
 def test_tokenizing_needs_no_key_as_in_vllm(server, path, body):
     assert httpx.post(server.base_url + path, json=body, timeout=TIMEOUT).status_code == 200
+    info = httpx.get(server.base_url + "/tokenizer_info", timeout=TIMEOUT)
+    assert info.status_code == 200 and "eos_token" in info.json()
 
 
 def test_the_engine_process_command_line_has_no_key(server):

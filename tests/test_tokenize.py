@@ -67,3 +67,23 @@ def test_bad_requests_name_the_parameter(http, path, body, status, param):
     response = http.post(path, json=body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_tokenizer_info_as_lm_eval_checks_for_it(http, tiny_model_dir: Path):
+    """lm-evaluation-harness tokenizes on the server when ``/tokenizer_info`` has an
+    ``eos_token`` and ``/tokenize`` answers its probe; it renders chats with the template."""
+    import json
+
+    info = http.get("/tokenizer_info")
+    assert info.status_code == 200
+    info = info.json()
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    for name in ("bos_token", "eos_token", "pad_token", "chat_template"):
+        assert info[name] == config[name], name
+    assert info["tokenizer_class"]  # the loaded class's name, as vLLM reports it
+    assert info["model_max_length"] == tokenize(http, prompt="x")["max_model_len"]
+    assert "tokenizer_file" not in info and "name_or_path" not in info  # no server paths
+    probe = http.post("/tokenize", json={"prompt": "test", "add_special_tokens": False})
+    assert isinstance(probe.json()["tokens"], list)
+    eos = tokenize(http, prompt=info["eos_token"], add_special_tokens=False)["tokens"]
+    assert len(eos) == 1  # the harness takes the first id as the end-of-text token

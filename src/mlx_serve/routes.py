@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 import uuid
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -17,20 +16,13 @@ from starlette.routing import Route
 from mlx_serve.engine import ALIVE_STATES, Engine, EngineState
 from mlx_serve.errors import (
     AuthenticationError,
-    EngineUnavailableError,
-    ModelNotFoundError,
-    PayloadTooLargeError,
-    RequestError,
-    UnsupportedParameterError,
 )
+from mlx_serve.http_input import check_model, parse, read_json, ready_engine, server_state
 from mlx_serve.metrics import RequestTracker
-from mlx_serve.prompts import render_chat
 from mlx_serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     ResponsesRequest,
-    TokenizeRequest,
 )
 from mlx_serve.remote_engine import RemoteEngine
 from mlx_serve.replies import Choice, ReplyShape
@@ -38,7 +30,6 @@ from mlx_serve.request_building import (
     Prepared,
     build_chat_request,
     build_completion_request,
-    off_loop_if_long,
 )
 from mlx_serve.responses_api import (
     ResponseBuilder,
@@ -48,51 +39,10 @@ from mlx_serve.responses_api import (
 )
 from mlx_serve.server_state import ServerState
 from mlx_serve.streaming import SSEResponse, collect, fail_fast, sse_events
+from mlx_serve.tokenizer_routes import TOKENIZER_ROUTES
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """Read the body, refusing it as soon as it passes ``limit`` bytes (413)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
-    try:
-        return json.loads(body)
-    except ValueError as exc:
-        raise RequestError(f"malformed JSON body: {exc}") from None
-    except RecursionError:
-        raise RequestError("the JSON body is nested too deeply") from None
-
-
-def parse(model: type[M], body: Any) -> M:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise RequestError(f"invalid value for '{param}': {first['msg']}", param=param) from None
-
-
-def _ready_engine(state: ServerState) -> Engine | RemoteEngine:
-    engine = state.engine
-    if engine.state not in (EngineState.READY, EngineState.RECOVERING):
-        raise engine.unavailable_error()
-    if engine.runner is None:
-        raise EngineUnavailableError("the model is still loading")
-    return engine
 
 
 def _authorize(request: Request, state: ServerState) -> None:
@@ -108,15 +58,6 @@ def _authorize(request: Request, state: ServerState) -> None:
                                   "Bearer <key>'")
 
 
-def _check_model(state: ServerState, name: str | None) -> str:
-    if name is not None and name != state.model_name:
-        raise ModelNotFoundError(
-            f"the model '{name}' does not exist; this server serves '{state.model_name}'",
-            param="model",
-        )
-    return state.model_name
-
-
 async def chat_completions(request: Request) -> Response:
     return await _generate(request, ChatCompletionRequest, build_chat_request, chat=True)
 
@@ -129,10 +70,10 @@ async def _open(request: Request, model_type: type[Any]
                 ) -> tuple[ServerState, Any, str, Engine | RemoteEngine]:
     """What every generating endpoint does first: authorize, read and validate the body,
     check its model, and make sure the engine takes work."""
-    state = _state(request)
+    state = server_state(request)
     _authorize(request, state)
     body = parse(model_type, await read_json(request, state.settings.max_body_bytes))
-    return state, body, _check_model(state, body.model), _ready_engine(state)
+    return state, body, check_model(state, body.model), ready_engine(state)
 
 
 async def _generate(request: Request, model_type: type[Any], build: Any, *, chat: bool
@@ -187,7 +128,7 @@ def _request_id(prefix: str) -> str:
 
 async def metrics(request: Request) -> Response:
     """Prometheus text format: the engine's figures as of now, the requests' so far."""
-    body, content_type = _state(request).metrics.render(request.headers.get("accept", ""))
+    body, content_type = server_state(request).metrics.render(request.headers.get("accept", ""))
     return Response(body, headers={"Content-Type": content_type})
 
 
@@ -197,16 +138,16 @@ def _model_object(state: ServerState) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     _authorize(request, state)
     return JSONResponse({"object": "list", "data": [_model_object(state)]})
 
 
 async def retrieve_model(request: Request) -> Response:
     """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``)."""
-    state = _state(request)
+    state = server_state(request)
     _authorize(request, state)
-    _check_model(state, request.path_params["model"])
+    check_model(state, request.path_params["model"])
     return JSONResponse(_model_object(state))
 
 
@@ -230,54 +171,12 @@ async def responses(request: Request) -> Response:
     return JSONResponse(whole_response(builder, choice, shape.prompt_tokens))
 
 
-async def tokenize(request: Request) -> Response:
-    """vLLM's ``/tokenize``: the prompt tokens a completion (``prompt``) or a chat
-    (``messages``, through the chat template) would have here."""
-    state = _state(request)
-    body = parse(TokenizeRequest, await read_json(request, state.settings.max_body_bytes))
-    _check_model(state, body.model)
-    runner = _ready_engine(state).runner
-    if (body.prompt is None) == (body.messages is None):
-        raise RequestError("give either 'prompt' or 'messages'", param="prompt")
-    if body.messages is not None:
-        for name, unsupported in (("add_generation_prompt", not body.add_generation_prompt),
-                                  ("continue_final_message", body.continue_final_message),
-                                  ("add_special_tokens", bool(body.add_special_tokens))):
-            if unsupported:  # a chat prompt here is always what a chat request would get
-                raise UnsupportedParameterError(f"'{name}' is not supported with messages",
-                                                param=name)
-        chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
-                                     chat_template_kwargs=body.chat_template_kwargs)
-        rendered = await off_loop_if_long(None, render_chat, runner.tokenizer, runner.encode,
-                                          chat)
-        tokens = rendered.tokens
-    else:
-        special = body.add_special_tokens is not False
-        tokens = await off_loop_if_long(len(body.prompt or ""), runner.encode, body.prompt,
-                                        special)
-    strs = runner.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-    return JSONResponse({"count": len(tokens), "max_model_len": runner.context_length,
-                         "tokens": tokens, "token_strs": strs})
-
-
-async def detokenize(request: Request) -> Response:
-    """vLLM's ``/detokenize``: token ids -> text."""
-    state = _state(request)
-    body = parse(DetokenizeRequest, await read_json(request, state.settings.max_body_bytes))
-    _check_model(state, body.model)
-    runner = _ready_engine(state).runner
-    if any(not 0 <= t < runner.vocab_size for t in body.tokens):
-        raise RequestError("'tokens' holds a token id outside the vocabulary", param="tokens")
-    text = await off_loop_if_long(len(body.tokens), runner.tokenizer.decode, body.tokens)
-    return JSONResponse({"prompt": text})
-
-
 async def health(request: Request) -> Response:
     """Readiness: 200 only while the engine can take work. Never waits on the actor."""
-    stats = _state(request).engine.statistics()
+    stats = server_state(request).engine.statistics()
     ok = stats.state in (EngineState.READY, EngineState.RECOVERING)
     body = {"status": "ok" if ok else stats.state.value, **stats.as_dict()}
-    engine = _state(request).engine
+    engine = server_state(request).engine
     if engine.runner is not None:
         body["memory"] = engine.runner.memory()
     if isinstance(engine, RemoteEngine) and engine.pid is not None:
@@ -287,7 +186,7 @@ async def health(request: Request) -> Response:
 
 async def live(request: Request) -> Response:
     """Liveness: 200 unless the engine is dead, failed or wedged."""
-    stats = _state(request).engine.statistics()
+    stats = server_state(request).engine.statistics()
     ok = stats.state in ALIVE_STATES
     return JSONResponse({"status": "ok" if ok else stats.state.value, "state": stats.state.value},
                         status_code=200 if ok else 503)
@@ -302,6 +201,5 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/live", live, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
-    Route("/tokenize", tokenize, methods=["POST"]),
-    Route("/detokenize", detokenize, methods=["POST"]),
+    *TOKENIZER_ROUTES,
 ]

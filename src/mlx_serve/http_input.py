@@ -1,0 +1,74 @@
+"""What every endpoint reads from a request: the server's state, a bounded JSON body
+validated into a model, the model name it asks for, and an engine that takes work."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from mlx_serve.engine import Engine, EngineState
+from mlx_serve.errors import (
+    EngineUnavailableError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    RequestError,
+)
+from mlx_serve.remote_engine import RemoteEngine
+from mlx_serve.server_state import ServerState
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """Read the body, refusing it as soon as it passes ``limit`` bytes (413)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise RequestError("the JSON body is nested too deeply") from None
+
+
+def parse(model: type[M], body: Any) -> M:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise RequestError(f"invalid value for '{param}': {first['msg']}", param=param) from None
+
+
+def ready_engine(state: ServerState) -> Engine | RemoteEngine:
+    engine = state.engine
+    if engine.state not in (EngineState.READY, EngineState.RECOVERING):
+        raise engine.unavailable_error()
+    if engine.runner is None:
+        raise EngineUnavailableError("the model is still loading")
+    return engine
+
+
+
+def check_model(state: ServerState, name: str | None) -> str:
+    if name is not None and name != state.model_name:
+        raise ModelNotFoundError(
+            f"the model '{name}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+        )
+    return state.model_name
