@@ -145,7 +145,6 @@ COMPLETION_400 = [
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [100000]}, "prompt"),  # a token id outside the 512-token vocabulary
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "hi", "suffix": "and then"}, "suffix"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),

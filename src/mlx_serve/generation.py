@@ -49,6 +49,9 @@ class OutputOptions:
     split_reasoning: bool = False  # route thinking/tool-call spans apart (chat only)
     initial_state: str = "normal"  # "reasoning" when the prompt opened a thinking span
     keep_leading_space: bool = False  # chat replies drop the first token's space
+    # Completions' echo with logprobs: the prompt's own tokens scored too, each with this
+    # many alternatives (None: off).
+    prompt_logprobs: int | None = None
     # A compiled response format (runner.structured.CompiledFormat): it does change the
     # sampled tokens, but only the runner knows how to apply it.
     response_format: object | None = None
@@ -72,6 +75,17 @@ class TokenLogprob:
     top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A prompt's own tokens with their log-probabilities given the tokens before them.
+
+    The first token has nothing before it: only its text is known.
+    """
+
+    first_token: str
+    scored: tuple[TokenLogprob, ...]  # the prompt's tokens after the first, in order
+
+
 @dataclass(slots=True)
 class Delta:
     """New output of one request in one step. The last one carries ``finish_reason``.
@@ -89,6 +103,7 @@ class Delta:
     tool_calls: tuple[str, ...] = ()  # raw text of each tool call completed in this step
     logprobs: tuple[TokenLogprob, ...] = ()
     cached_tokens: int = 0  # on the last delta: prompt tokens reused from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when asked for
 
 
 @dataclass(frozen=True, slots=True)

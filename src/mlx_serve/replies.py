@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_serve.generation import Delta, TokenLogprob
+from mlx_serve.generation import Delta, PromptLogprobs, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class Choice:
     tokens: int = 0
     cached_tokens: int = 0
     finish: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # echo with logprobs: the prompt's own
 
 
 @dataclass
@@ -83,6 +84,10 @@ class ReplyShape:
     def absorb(self, choice: Choice, delta: Delta) -> list[dict]:
         """Record a delta in ``choice``; return the tool calls it completed."""
         choice.tokens += delta.token_count
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
+            # The generated tokens' offsets index the reply's text, which starts with it.
+            choice.text_length = len(self.echo.get(choice.index, ""))
         choice.content.append(delta.text)
         if delta.reasoning:
             choice.reasoning.append(delta.reasoning)
@@ -105,16 +110,34 @@ class ReplyShape:
             return {"reasoning": text, "reasoning_content": text}
         return {self.reasoning_format: text}
 
-    def _logprobs_object(self, items: list[TokenLogprob], offsets: list[int]) -> dict | None:
+    def _logprobs_object(self, items: list[TokenLogprob], offsets: list[int],
+                         prompt: PromptLogprobs | None = None) -> dict | None:
+        """The ``logprobs`` of a choice's tokens; for a completion with ``prompt``, those
+        of the echoed prompt's tokens first (its first token has no log-probability)."""
         if self.logprobs is None:
             return None
         if self.chat:
             return {"content": [chat_logprob(t) for t in items]}
-        return {"tokens": [t.token for t in items],
-                "token_logprobs": [t.logprob for t in items],
-                "top_logprobs": [{s: lp for s, _, lp in t.top} for t in items]
-                if self.logprobs else None,
-                "text_offset": offsets}
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        if prompt is not None:
+            tokens.append(prompt.first_token)
+            values.append(None)
+            tops.append(None)
+            text_offset.append(0)
+            at = len(prompt.first_token)
+            for t in prompt.scored:
+                text_offset.append(at)
+                at += len(t.token)
+            items = [*prompt.scored, *items]
+        tokens += [t.token for t in items]
+        values += [t.logprob for t in items]
+        tops += [{s: lp for s, _, lp in t.top} for t in items]
+        return {"tokens": tokens, "token_logprobs": values,
+                "top_logprobs": tops if self.logprobs else None,
+                "text_offset": text_offset + offsets}
 
     def usage(self, choices: list[Choice]) -> dict[str, Any]:
         completion_tokens = sum(c.tokens for c in choices)
@@ -142,9 +165,16 @@ class ReplyShape:
             body["usage"] = None
         return body
 
-    def echo_chunk(self, index: int, prompt: str) -> dict:
+    @property
+    def echo_waits_for_scores(self) -> bool:
+        """Whether echoed prompts carry logprobs, which come with a choice's first delta."""
+        return bool(self.echo) and self.logprobs is not None
+
+    def echo_chunk(self, index: int, prompt: str, scores: PromptLogprobs | None = None
+                   ) -> dict:
         """A completion's echoed prompt, its choice's first chunk."""
-        return self._envelope([{"index": index, "text": prompt, "logprobs": None,
+        logprobs = None if scores is None else self._logprobs_object([], [], scores)
+        return self._envelope([{"index": index, "text": prompt, "logprobs": logprobs,
                                 "finish_reason": None}])
 
     def role_chunk(self, index: int) -> dict:
@@ -203,7 +233,7 @@ class ReplyShape:
     def completion(self, choices: list[Choice]) -> dict:
         items = []
         for c in sorted(choices, key=lambda c: c.index):
-            logprobs = self._logprobs_object(c.logprobs, c.offsets)
+            logprobs = self._logprobs_object(c.logprobs, c.offsets, c.prompt_logprobs)
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant",
                                            "content": "".join(c.content) or None}

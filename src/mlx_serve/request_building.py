@@ -72,9 +72,6 @@ def check_shared_fields(body: ChatCompletionRequest | CompletionRequest, setting
 
 
 def check_completion_fields(body: CompletionRequest) -> None:
-    if body.echo and body.logprobs is not None:
-        _unsupported("echo", "with logprobs is not supported (it needs the prompt's own "
-                             "log-probabilities)")
     if body.best_of not in (None, 1, body.n):
         _unsupported("best_of", "must equal n")
     if body.suffix:
@@ -241,7 +238,9 @@ async def build_completion_request(
     if len(prompts) * body.n > settings.max_n:
         _unsupported("prompt", f"times n may make at most {settings.max_n} choices")
     # A completion continues the prompt: its first token's leading space is real text.
-    output = OutputOptions(logprobs=body.logprobs, keep_leading_space=True)
+    # With echo, logprobs cover the echoed prompt's tokens too (as at OpenAI and vLLM).
+    output = OutputOptions(logprobs=body.logprobs, keep_leading_space=True,
+                           prompt_logprobs=body.logprobs if body.echo else None)
     reqs: list[GenerationRequest] = []
     for i, prompt in enumerate(prompts):  # OpenAI numbers choices prompt by prompt
         params = sampling_params(body, body.max_tokens, len(prompt), runner, settings)

@@ -80,9 +80,11 @@ async def sse_events(
                 tracker.first_output()
             if shape.chat:
                 await failpoints.acheck("sse.send", users)
-            # The chat's role chunks, or a completion's echoed prompts, come first.
+            # The chat's role chunks, or a completion's echoed prompts, come first (echoes
+            # with logprobs as soon as their scores come, with the choice's first delta).
+            echoes = {} if shape.echo_waits_for_scores else shape.echo
             for chunk in ([shape.role_chunk(i) for i in range(choices)] if shape.chat else
-                          [shape.echo_chunk(i, prompt) for i, prompt in shape.echo.items()]):
+                          [shape.echo_chunk(i, prompt) for i, prompt in echoes.items()]):
                 yield _frame(json.dumps(chunk))
             async for event in handle:
                 # Everything that queued up meanwhile goes out in one write: when the
@@ -119,6 +121,9 @@ def _event_frames(shape: ReplyShape, state: list[Choice], events: list[ReplyEven
             frames.append(_frame(json.dumps(event.error.to_dict())))
             return frames, event.error
         choice = state[event.index]
+        if event.prompt_logprobs is not None and event.index in shape.echo:
+            frames.append(_frame(json.dumps(shape.echo_chunk(
+                event.index, shape.echo[event.index], event.prompt_logprobs))))
         chunk = shape.delta_chunk(choice, event, shape.absorb(choice, event))
         if chunk is not None:
             frames.append(_frame(chunk))
@@ -135,7 +140,7 @@ def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
     for event in events:
         at = open_at.pop(event.index, None)
         plain = (isinstance(event, Delta) and not event.reasoning and not event.tool_calls
-                 and not event.logprobs)
+                 and not event.logprobs and event.prompt_logprobs is None)
         if plain and at is not None:
             last = merged[at]
             assert isinstance(last, Delta) and isinstance(event, Delta)

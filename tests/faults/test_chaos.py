@@ -74,8 +74,8 @@ def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
     body["prompt"] = rng.choice(PROMPTS)
     if rng.random() < 0.15:
         body["logprobs"] = rng.randint(0, 4)
-    elif rng.random() < 0.1:
-        body["echo"] = True
+    if rng.random() < 0.1:
+        body["echo"] = True  # with logprobs, the prompt's tokens are scored too
     return COMPLETIONS, body
 
 

@@ -196,10 +196,11 @@ async def test_overload_is_429_at_once_never_a_hang(server):
 
 async def test_choices_logprobs_and_format_errors_match_the_one_process_mode(
         server, reference: Reference):
-    """What travels as a full event (log-probabilities, several choices on one handle)
-    and what the child compiles (a response format) come out as in one process."""
+    """What travels as a full event (log-probabilities, the echoed prompt's own, several
+    choices on one handle) and what the child compiles (a response format) come out as
+    in one process."""
     body = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "n": 2,
-            "logprobs": 2, "logit_bias": NO_EOS}
+            "logprobs": 2, "logit_bias": NO_EOS, "echo": True}
     bad_format = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                   "response_format": {"type": "json_schema", "json_schema": {
                       "name": "x", "schema": {"type": "object",

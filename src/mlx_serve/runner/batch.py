@@ -11,14 +11,19 @@ import logging
 import secrets
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machine
 
 from mlx_serve.failpoints import FailPoints
-from mlx_serve.generation import Delta, GenerationRequest, SamplingParams, StepOutcome
+from mlx_serve.generation import (
+    Delta,
+    GenerationRequest,
+    PromptLogprobs,
+    SamplingParams,
+    StepOutcome,
+)
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
 from mlx_serve.runner.detokenizer import streaming_detokenizers
@@ -29,8 +34,10 @@ from mlx_serve.runner.early_split import (
     take_first_tokens,
     use_early_split,
 )
+from mlx_serve.runner.live import BatchLimits, Live
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
 from mlx_serve.runner.prefix_cache import PrefixCache
+from mlx_serve.runner.prompt_scoring import score_prompt
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
 from mlx_serve.runner.text import TextPipeline
 
@@ -40,31 +47,6 @@ DEFAULT_CONTEXT_LENGTH = 4096
 
 # MLX's memory counters are read on the MLX thread at most this often while it steps.
 MEMORY_SAMPLE_INTERVAL_S = 0.25
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    decode_batch_size: int = 32
-    prefill_batch_size: int = 8
-    prefill_step_size: int = 512
-
-
-class _Live:
-    """One request the runner is generating for (in the batch, or parked)."""
-
-    __slots__ = ("request", "text", "generated", "uid", "cached_tokens", "prefilled")
-
-    def __init__(self, request: GenerationRequest, text: TextPipeline) -> None:
-        self.request = request
-        self.text = text
-        self.generated: list[int] = []
-        self.uid: int | None = None
-        self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache
-        self.prefilled = False
-
-    @property
-    def remaining(self) -> int:
-        return self.request.params.max_tokens - len(self.generated)
 
 
 class Runner:
@@ -100,12 +82,12 @@ class Runner:
         self._text_machine = make_text_state_machine(tokenizer) if has_markers else None
         self.token_texts = TokenTexts(tokenizer)
         self._new_detokenizer = streaming_detokenizers(tokenizer)  # one per request
-        self._live: dict[str, _Live] = {}
-        self._by_uid: dict[int, _Live] = {}
+        self._live: dict[str, Live] = {}
+        self._by_uid: dict[int, Live] = {}
         self._broken = False  # the last step failed: nothing steps until a rebuild
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         # Choices of one prompt wait for its first sequence's prefill, then reuse its KV.
-        self._waiting_for_prefill: dict[tuple[int, ...], list[_Live]] = {}
+        self._waiting_for_prefill: dict[tuple[int, ...], list[Live]] = {}
         self._one_array_logprobs = one_array_logprobs
         self._early_decode_join = early_decode_join
         self._batch = self._new_batch()
@@ -159,7 +141,7 @@ class Runner:
         return StepOutcome(deltas=tuple(deltas), failed=tuple(failed), ran_batch=True,
                            prefilled=bool(prompt_responses))
 
-    def _advance_or_fail(self, live: _Live, response: Any, deltas: list[tuple[str, Delta]],
+    def _advance_or_fail(self, live: Live, response: Any, deltas: list[tuple[str, Delta]],
                          failed: list[tuple[str, Exception]]) -> None:
         try:
             deltas.append((live.request.request_id, self._advance(live, response)))
@@ -167,7 +149,7 @@ class Runner:
             self._remove([live.request.request_id])
             failed.append((live.request.request_id, exc))
 
-    def _may_send_ahead(self, live: _Live, token: int) -> bool:
+    def _may_send_ahead(self, live: Live, token: int) -> bool:
         """Whether a first token read right after its sequence's move may go out now:
         one that cannot end the request in the batch (not a stop token, not the last
         allowed), for a request that asked for no logprobs (read only from the batch)."""
@@ -272,19 +254,22 @@ class Runner:
         except Exception:  # a broken generator must not stop us from replacing it
             log.exception("closing the old batch generator failed")
 
-    def _new_live(self, request: GenerationRequest) -> _Live:
+    def _new_live(self, request: GenerationRequest) -> Live:
         # An ignored end-of-sequence token takes its place in the reply but shows no text
         # (vLLM leaves special tokens out of the text too).
         hidden = self._eos_set if request.params.ignore_eos else frozenset()
         text = TextPipeline(self._new_detokenizer(), request, self._text_machine, hidden)
-        return _Live(request, text)
+        return Live(request, text)
 
     def _admit(self, request: GenerationRequest) -> tuple[str, Exception] | None:
         try:
             self._failpoints.check("engine.admit", _user_set(request.user))
             live = self._new_live(request)
             waiting = self._waiting_for_prefill.get(request.prompt_tokens)
-            if waiting is not None:
+            k = request.output.prompt_logprobs
+            if k is not None:  # the prompt is run here; the batch goes on from its KV
+                self._insert_scored(live, k)
+            elif waiting is not None:
                 waiting.append(live)  # a sibling choice is prefilling this very prompt
             else:
                 self._insert(live, list(request.prompt_tokens))
@@ -310,8 +295,23 @@ class Runner:
                 if sibling.request.request_id in self._live:
                     self._insert(sibling, list(sibling.request.prompt_tokens))
 
-    def _insert(self, live: _Live, prompt: list[int]) -> None:
-        cache, rest = self.prefix_cache.lookup(prompt)
+    def _insert_scored(self, live: Live, k: int) -> None:
+        """Score the prompt's own tokens, then insert it with the KV that left."""
+        prompt = list(live.request.prompt_tokens)
+        if len(prompt) < 2:  # nothing to score: the first token has no context
+            live.prompt_logprobs = PromptLogprobs(self.token_texts(prompt[0])[0], ())
+            self._insert(live, prompt)
+            return
+        live.prompt_logprobs, cache = score_prompt(
+            self.model, prompt, k, self.token_texts, self._limits.prefill_step_size)
+        live.cached_tokens = 0  # computed just now, not found in the prefix cache
+        self._insert(live, prompt, (cache, prompt[-1:]))
+
+    def _insert(self, live: Live, prompt: list[int],
+                computed: tuple[list[Any], list[int]] | None = None) -> None:
+        """Put a request into the batch, from the prefix cache's longest match of
+        ``prompt`` or from ``computed`` (a KV cache and the tokens after it)."""
+        cache, rest = computed or self.prefix_cache.lookup(prompt)
         if live.cached_tokens is None:  # the first admission, not a replay
             live.cached_tokens = len(prompt) - len(rest)
         params = live.request.params
@@ -366,7 +366,7 @@ class Runner:
     def _users(self) -> set[str]:
         return {u for live in self._by_uid.values() if (u := live.request.user) is not None}
 
-    def _advance(self, live: _Live, response: Any) -> Delta:
+    def _advance(self, live: Live, response: Any) -> Delta:
         """Account one generated token; return what it adds to the reply."""
         live.generated.append(response.token)
         piece = live.text.advance(response.token, response.finish_reason)
@@ -381,8 +381,11 @@ class Runner:
             if response.prompt_cache is not None:  # mlx-lm extracted it for us
                 self.prefix_cache.store(list(response.all_tokens), response.prompt_cache)
             self._remove([request.request_id], keep_cache=response.finish_reason is None)
-        return Delta(piece.content, 1, piece.finish, request.index, piece.reasoning,
-                     piece.tool_calls, logprobs, cached)
+        delta = Delta(piece.content, 1, piece.finish, request.index, piece.reasoning,
+                      piece.tool_calls, logprobs, cached)
+        if live.prompt_logprobs is not None:  # only ever on the request's first delta
+            delta.prompt_logprobs, live.prompt_logprobs = live.prompt_logprobs, None
+        return delta
 
 
 def _user_set(user: str | None) -> set[str]:

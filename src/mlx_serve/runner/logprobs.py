@@ -30,7 +30,7 @@ def _byte_decoder() -> dict[str, int]:
 LOGPROB_FLOOR = -9999.0
 
 
-def _finite(value: float) -> float:
+def finite(value: float) -> float:
     return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
@@ -67,5 +67,5 @@ def token_logprob(texts: TokenTexts, logprobs: mx.array, token: int, k: int) -> 
         id_list = cast(list[int], ids.tolist())
         values = cast(list[float], logprobs[ids].tolist())
         pairs = sorted(zip(id_list, values, strict=True), key=lambda p: -p[1])
-        top = tuple((*texts(t), _finite(v)) for t, v in pairs)
-    return TokenLogprob(text, raw, _finite(float(cast(float, logprobs[token].item()))), top)
+        top = tuple((*texts(t), finite(v)) for t, v in pairs)
+    return TokenLogprob(text, raw, finite(float(cast(float, logprobs[token].item()))), top)

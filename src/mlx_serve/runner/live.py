@@ -1,0 +1,35 @@
+"""What the runner keeps: its batch settings, and each request it generates for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_serve.generation import GenerationRequest, PromptLogprobs
+from mlx_serve.runner.text import TextPipeline
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    decode_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+
+
+class Live:
+    """One request the runner is generating for (in the batch, or parked)."""
+
+    __slots__ = ("request", "text", "generated", "uid", "cached_tokens", "prefilled",
+                 "prompt_logprobs")
+
+    def __init__(self, request: GenerationRequest, text: TextPipeline) -> None:
+        self.request = request
+        self.text = text
+        self.generated: list[int] = []
+        self.uid: int | None = None
+        self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+        self.prefilled = False
+        self.prompt_logprobs: PromptLogprobs | None = None  # sent with the first delta
+
+    @property
+    def remaining(self) -> int:
+        return self.request.params.max_tokens - len(self.generated)

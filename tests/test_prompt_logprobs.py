@@ -1,0 +1,175 @@
+"""Completions' ``echo`` with ``logprobs``: the prompt's own tokens scored, as evaluation
+harnesses (lm-evaluation-harness's ``local-completions``) read them."""
+
+from __future__ import annotations
+
+from operator import itemgetter
+
+import httpx
+import mlx.core as mx
+import pytest
+from openai import OpenAI
+
+from tests.http_helpers import strict_json
+
+# Prompts longer than this are scored in several chunks: the chunks' seams are tested.
+PREFILL_STEP = 4
+PROMPT = "Once upon a time there was a little cat who lived by the sea"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    from tests.server_process import ServerProcess
+
+    log = tmp_path_factory.mktemp("prompt-logprobs") / "server.log"
+    with ServerProcess(tiny_model_dir, log,
+                       args=["--prefill-step-size", str(PREFILL_STEP)]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(http) -> list[int]:
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert len(ids) > 3 * PREFILL_STEP
+    return ids
+
+
+def complete(http, **body) -> dict:
+    reply = http.post("/v1/completions", json={"temperature": 0, **body})
+    assert reply.status_code == 200, reply.text
+    return strict_json(reply.text)
+
+
+def test_each_prompt_token_is_scored_as_the_model_would_generate_it(http, prompt_ids):
+    """Position i's alternatives equal the first-token alternatives of the prompt cut
+    before i: the same distribution, whether scored or sampled from."""
+    scored = complete(http, prompt=prompt_ids, max_tokens=1, logprobs=5,
+                      echo=True)["choices"][0]["logprobs"]
+    assert scored["token_logprobs"][0] is None and scored["top_logprobs"][0] is None
+    assert len(scored["tokens"]) == len(prompt_ids) + 1
+    for i in range(1, len(prompt_ids)):
+        # ignore_eos: a first token that is EOS would end the reply without logprobs.
+        sampled = complete(http, prompt=prompt_ids[:i], max_tokens=1, logprobs=5,
+                           ignore_eos=True)["choices"][0]["logprobs"]["top_logprobs"][0]
+        top = scored["top_logprobs"][i]
+        assert top.keys() == sampled.keys(), i
+        assert list(top.values()) == pytest.approx(list(sampled.values()), abs=1e-4), i
+        assert scored["token_logprobs"][i] <= max(top.values()) + 1e-6
+
+
+def greedy_continuation(model_dir, context: list[int], length: int) -> list[int]:
+    """The tiny model's own greedy tokens after ``context``, computed in this process."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(model_dir))
+    tokens = list(context)
+    for _ in range(length):
+        tokens.append(int(mx.argmax(model(mx.array(tokens)[None])[0, -1]).item()))
+    return tokens[len(context):]
+
+
+def lm_eval_loglikelihood(reply: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-evaluation-harness's ``LocalCompletionsAPI.parse_logprobs``, restated: the
+    continuation's summed log-probability, and whether every token was the top one."""
+    out = []
+    for choice, ctxlen in zip(sorted(reply["choices"], key=itemgetter("index")), ctxlens,
+                              strict=True):
+        values = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        out.append((sum(values), all(v == max(t.values()) for v, t in zip(values, tops,
+                                                                         strict=True))))
+    return out
+
+
+def test_an_lm_eval_loglikelihood_request(http, prompt_ids, tiny_model_dir):
+    """The harness's exact request, several token-id prompts in one, read its way."""
+    context = prompt_ids[:6]
+    greedy = greedy_continuation(tiny_model_dir, context, 5)
+    other = [(t + 1) % 512 for t in greedy]  # a continuation the model would not pick
+    reply = complete(http, prompt=[context + greedy, context + other], max_tokens=1,
+                     logprobs=1, seed=1234, echo=True)
+    (greedy_sum, greedy_is_top), (other_sum, other_is_top) = lm_eval_loglikelihood(
+        reply, [len(context), len(context)])
+    assert greedy_is_top and not other_is_top
+    assert greedy_sum > other_sum
+    # The sum is the continuation's own scores, as scoring it token by token gives.
+    by_step = sum(complete(http, prompt=context + greedy[:i + 1], max_tokens=1, logprobs=0,
+                           echo=True)["choices"][0]["logprobs"]["token_logprobs"][-2]
+                  for i in range(len(greedy)))
+    assert greedy_sum == pytest.approx(by_step, abs=1e-3)
+    assert reply["usage"]["prompt_tokens"] == 2 * (len(context) + 5)
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_offsets_index_the_echoed_text(server):
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    reply = client.completions.create(model="tiny", prompt=[PROMPT, "The sea"], n=2,
+                                      max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                      logit_bias={"0": -100, "2": -100})
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    for choice in reply.choices:
+        prompt = PROMPT if choice.index < 2 else "The sea"
+        lp = choice.logprobs
+        assert choice.text.startswith(prompt)
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
+        scored = len(lp.tokens) - 3
+        assert "".join(lp.tokens[:scored]) == prompt  # the prompt's tokens, then the reply's
+        for token, at in zip(lp.tokens, lp.text_offset, strict=True):
+            assert choice.text[at:at + len(token)] == token
+        # Two alternatives that decode to the same text (byte pieces) share one key.
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+
+
+def test_a_stream_sends_the_scored_echo_first(server, http, prompt_ids):
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
+                                            temperature=0, logprobs=1, echo=True,
+                                            stream=True, logit_bias={"0": -100, "2": -100}))
+    first = chunks[0].choices[0]
+    assert first.text == PROMPT and first.finish_reason is None
+    whole = complete(http, prompt=PROMPT, max_tokens=4, logprobs=1, echo=True,
+                     logit_bias={"0": -100, "2": -100})["choices"][0]
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole["logprobs"]["text_offset"]
+    assert "".join(c.choices[0].text for c in chunks) == whole["text"]
+    # The batch went on from the scoring pass's KV: the same reply as without the echo.
+    plain = complete(http, prompt=PROMPT, max_tokens=4, logit_bias={"0": -100, "2": -100})
+    assert whole["text"] == PROMPT + plain["choices"][0]["text"]
+
+
+def test_a_one_token_prompt_has_nothing_to_score(http):
+    reply = complete(http, prompt=[100], max_tokens=2, logprobs=1, echo=True,
+                     logit_bias={"0": -100, "2": -100})
+    lp = reply["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == 3
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+
+
+def test_scores_do_not_depend_on_the_chunk_size(tiny_model_dir):
+    """In-process: the prompt scored in chunks of 3 or in one, and the KV it leaves."""
+    import mlx_lm
+
+    from mlx_serve.runner.logprobs import TokenTexts
+    from mlx_serve.runner.prompt_scoring import score_prompt
+
+    model, tokenizer = mlx_lm.load(str(tiny_model_dir))
+    prompt = tokenizer.encode(PROMPT)
+    texts = TokenTexts(tokenizer)
+    chunked, cache = score_prompt(model, prompt, 3, texts, chunk_tokens=3)
+    whole, _ = score_prompt(model, prompt, 3, texts, chunk_tokens=1024)
+    assert chunked.first_token == tokenizer.decode(prompt[:1])
+    assert [t.token for t in chunked.scored] == [texts(t)[0] for t in prompt[1:]]
+    assert [t.logprob for t in chunked.scored] == pytest.approx(
+        [t.logprob for t in whole.scored], abs=1e-4)
+    assert [[a[0] for a in t.top] for t in chunked.scored] == [
+        [a[0] for a in t.top] for t in whole.scored]
+    assert cache[0].offset == len(prompt) - 1  # the batch goes on from the last token
