@@ -68,3 +68,19 @@ def test_capital_of_france_streaming(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text, text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_scoring_prefers_the_true_continuation(client):
+    """A multiple-choice question scored the way evaluation harnesses do: the echoed
+    prompt's log-probabilities of each answer's tokens, summed."""
+    def score(answer: str) -> float:
+        context = "The capital of France is"
+        reply = client.completions.create(model=served_id(client), prompt=context + answer,
+                                          max_tokens=1, temperature=0, logprobs=1, echo=True)
+        lp = reply.choices[0].logprobs
+        # Scored tokens that start at or after the context's end belong to the answer.
+        return sum(v for v, at in zip(lp.token_logprobs[:-1], lp.text_offset[:-1],
+                                      strict=True) if at >= len(context))
+
+    paris, london, banana = score(" Paris"), score(" London"), score(" banana")
+    assert paris > london and paris > banana
