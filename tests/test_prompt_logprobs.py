@@ -154,22 +154,34 @@ def test_a_one_token_prompt_has_nothing_to_score(http):
     assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
 
 
-def test_scores_do_not_depend_on_the_chunk_size(tiny_model_dir):
-    """In-process: the prompt scored in chunks of 3 or in one, and the KV it leaves."""
+def test_scores_do_not_depend_on_chunks_or_neighbours(tiny_model_dir):
+    """In-process: prompts scored alone in one chunk, in chunks of 3, or right-padded
+    beside others give the same scores, and each leaves the KV its continuation needs."""
     import mlx_lm
 
     from mlx_serve.runner.logprobs import TokenTexts
-    from mlx_serve.runner.prompt_scoring import score_prompt
+    from mlx_serve.runner.prompt_scoring import score_prompts
 
     model, tokenizer = mlx_lm.load(str(tiny_model_dir))
-    prompt = tokenizer.encode(PROMPT)
+    prompts = [tokenizer.encode(text) for text in (PROMPT, "The sea", "A", "Rain fell")]
     texts = TokenTexts(tokenizer)
-    chunked, cache = score_prompt(model, prompt, 3, texts, chunk_tokens=3)
-    whole, _ = score_prompt(model, prompt, 3, texts, chunk_tokens=1024)
-    assert chunked.first_token == tokenizer.decode(prompt[:1])
-    assert [t.token for t in chunked.scored] == [texts(t)[0] for t in prompt[1:]]
-    assert [t.logprob for t in chunked.scored] == pytest.approx(
-        [t.logprob for t in whole.scored], abs=1e-4)
-    assert [[a[0] for a in t.top] for t in chunked.scored] == [
-        [a[0] for a in t.top] for t in whole.scored]
-    assert cache[0].offset == len(prompt) - 1  # the batch goes on from the last token
+    alone = [score_prompts(model, [p], [3], texts, chunk_tokens=1024, max_rows=1)[0]
+             for p in prompts]
+    for chunk, rows in ((3, 1), (1024, 4), (6, 4)):
+        together = score_prompts(model, prompts, [3, 1, 0, 2], texts, chunk_tokens=chunk,
+                                 max_rows=rows)
+        for prompt, (scores, cache), (reference, _), k in zip(
+                prompts, together, alone, [3, 1, 0, 2], strict=True):
+            assert scores.first_token == tokenizer.decode(prompt[:1])
+            assert [t.token for t in scores.scored] == [texts(t)[0] for t in prompt[1:]]
+            assert [t.logprob for t in scores.scored] == pytest.approx(
+                [t.logprob for t in reference.scored], abs=1e-4), (chunk, rows)
+            assert [[a[0] for a in t.top] for t in scores.scored] == [
+                [a[0] for a in t.top][:k] for t in reference.scored]
+            if len(prompt) == 1:
+                assert cache is None and scores.scored == ()
+                continue
+            assert cache[0].offset == len(prompt) - 1  # the batch goes on from the last
+            going_on = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1]
+            from_scratch = model(mx.array(prompt)[None])[0, -1]
+            assert mx.allclose(going_on, from_scratch, atol=1e-4).item()

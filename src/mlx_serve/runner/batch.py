@@ -20,7 +20,6 @@ from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import (
     Delta,
     GenerationRequest,
-    PromptLogprobs,
     SamplingParams,
     StepOutcome,
 )
@@ -37,7 +36,7 @@ from mlx_serve.runner.early_split import (
 from mlx_serve.runner.live import BatchLimits, Live
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
 from mlx_serve.runner.prefix_cache import PrefixCache
-from mlx_serve.runner.prompt_scoring import score_prompt
+from mlx_serve.runner.prompt_scoring import Scored, score_requests
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
 from mlx_serve.runner.text import TextPipeline
 
@@ -108,7 +107,11 @@ class Runner:
         if self._broken:  # a step behind a failed one: take its requests, step nothing
             return self._take_while_broken(admissions, cancellations)
         self._remove(cancellations)
-        failed = [f for f in (self._admit(r) for r in admissions) if f is not None]
+        scored = score_requests(self.model, admissions, self.token_texts,
+                                self._limits.prefill_step_size,
+                                self._limits.prefill_batch_size)
+        failed = [f for f in (self._admit(r, scored.get(r.request_id)) for r in admissions)
+                  if f is not None]
         if not self._by_uid:
             return StepOutcome(failed=tuple(failed))
         try:
@@ -261,14 +264,16 @@ class Runner:
         text = TextPipeline(self._new_detokenizer(), request, self._text_machine, hidden)
         return Live(request, text)
 
-    def _admit(self, request: GenerationRequest) -> tuple[str, Exception] | None:
+    def _admit(self, request: GenerationRequest, scored: Scored | Exception | None = None
+               ) -> tuple[str, Exception] | None:
         try:
             self._failpoints.check("engine.admit", _user_set(request.user))
+            if isinstance(scored, Exception):
+                raise scored
             live = self._new_live(request)
             waiting = self._waiting_for_prefill.get(request.prompt_tokens)
-            k = request.output.prompt_logprobs
-            if k is not None:  # the prompt is run here; the batch goes on from its KV
-                self._insert_scored(live, k)
+            if scored is not None:  # the prompt was run already: go on from its KV
+                self._insert_scored(live, scored)
             elif waiting is not None:
                 waiting.append(live)  # a sibling choice is prefilling this very prompt
             else:
@@ -295,15 +300,13 @@ class Runner:
                 if sibling.request.request_id in self._live:
                     self._insert(sibling, list(sibling.request.prompt_tokens))
 
-    def _insert_scored(self, live: Live, k: int) -> None:
-        """Score the prompt's own tokens, then insert it with the KV that left."""
+    def _insert_scored(self, live: Live, scored: Scored) -> None:
+        """Insert a request whose prompt was scored, with the KV that left."""
         prompt = list(live.request.prompt_tokens)
-        if len(prompt) < 2:  # nothing to score: the first token has no context
-            live.prompt_logprobs = PromptLogprobs(self.token_texts(prompt[0])[0], ())
+        live.prompt_logprobs, cache = scored
+        if cache is None:  # a one-token prompt: nothing was run
             self._insert(live, prompt)
             return
-        live.prompt_logprobs, cache = score_prompt(
-            self.model, prompt, k, self.token_texts, self._limits.prefill_step_size)
         live.cached_tokens = 0  # computed just now, not found in the prefix cache
         self._insert(live, prompt, (cache, prompt[-1:]))
 

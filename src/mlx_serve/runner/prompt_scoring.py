@@ -4,59 +4,132 @@ Evaluation harnesses (lm-evaluation-harness's ``local-completions``) score a tex
 sending it as a prompt with ``echo`` and ``logprobs`` and reading each prompt token's
 log-probability given the tokens before it. That needs the model's logits at every
 prompt position, which the batch's prefill never keeps (it samples from the last
-position only). So the prompt is run through the model here, in chunks, and the KV
-cache this leaves behind is handed to the batch: its prefill then has just the last
-prompt token to process, and the prompt is computed once, not twice.
+position only). So the prompts are run through the model here, several at once, in
+chunks, and the KV cache each leaves behind is handed to the batch: its prefill then
+has just the last prompt token to process, and a prompt is computed once, not twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlx_serve.generation import PromptLogprobs, TokenLogprob
+from mlx_serve.generation import GenerationRequest, PromptLogprobs, TokenLogprob
 from mlx_serve.runner.logprobs import TokenTexts, finite
 
+# One prompt's scores and the KV cache of all its tokens but the last (None for a
+# one-token prompt: there is nothing before its only token).
+Scored = tuple[PromptLogprobs, list[Any] | None]
 
-def score_prompt(model: Any, prompt: list[int], k: int, texts: TokenTexts,
-                 chunk_tokens: int) -> tuple[PromptLogprobs, list[Any]]:
-    """Score ``prompt[1:]`` given what precedes each token, with ``k`` alternatives.
 
-    Returns the scores and a KV cache of ``prompt[:-1]``, ready for the batch to go on
-    from the last prompt token. ``chunk_tokens`` bounds the logits held at once (one
-    row of the vocabulary's size per position).
+def score_requests(model: Any, requests: Sequence[GenerationRequest], texts: TokenTexts,
+                   chunk_tokens: int, max_rows: int) -> dict[str, Scored | Exception]:
+    """The prompts of the requests that asked for their scores, scored together; a
+    fault is every such request's own (each fails alone, the others go on)."""
+    wanted = [r for r in requests if r.output.prompt_logprobs is not None]
+    if not wanted:
+        return {}
+    try:
+        results: list[Scored | Exception] = list(score_prompts(
+            model, [r.prompt_tokens for r in wanted],
+            [r.output.prompt_logprobs or 0 for r in wanted], texts, chunk_tokens, max_rows))
+    except Exception as exc:
+        results = [exc] * len(wanted)
+    return {r.request_id: result for r, result in zip(wanted, results, strict=True)}
+
+
+def score_prompts(model: Any, prompts: Sequence[Sequence[int]], ks: Sequence[int],
+                  texts: TokenTexts, chunk_tokens: int, max_rows: int) -> list[Scored]:
+    """Score each prompt's tokens after the first, with ``ks[i]`` alternatives each.
+
+    Prompts of similar length go through the model together, up to ``max_rows`` at a
+    time, right-padded (a causal model's real positions never see the padding after
+    them); a model whose cache is not plain KV goes one prompt at a time. At most
+    ``chunk_tokens`` positions (rows times columns) are computed at once, which bounds
+    the logits held (one vocabulary-sized row each).
     """
+    out: list[Scored | None] = [None] * len(prompts)
+    longer = []
+    for i, prompt in enumerate(prompts):
+        if len(prompt) < 2:
+            out[i] = (PromptLogprobs(texts(prompt[0])[0], ()), None)
+        else:
+            longer.append(i)
+    longer.sort(key=lambda i: len(prompts[i]))  # less padding among neighbours
+    rows = max_rows if all(type(c) is KVCache for c in make_prompt_cache(model)) else 1
+    for at in range(0, len(longer), rows):
+        group = longer[at:at + rows]
+        k = max(ks[i] for i in group)
+        scored = _score_together(model, [prompts[i] for i in group], k, texts, chunk_tokens)
+        for i, (items, cache) in zip(group, scored, strict=True):
+            if ks[i] < k:  # alternatives are sorted best first: keep the asked-for ones
+                items = [TokenLogprob(t.token, t.bytes, t.logprob, t.top[:ks[i]])
+                         for t in items]
+            out[i] = (PromptLogprobs(texts(prompts[i][0])[0], tuple(items)), cache)
+    return cast(list[Scored], out)
+
+
+def _score_together(model: Any, prompts: list[Sequence[int]], k: int, texts: TokenTexts,
+                    chunk_tokens: int) -> list[tuple[list[TokenLogprob], list[Any]]]:
+    lengths = [len(p) - 1 for p in prompts]  # scored positions: every token but the last
+    width = max(lengths)
+    tokens = mx.array([list(p) + [0] * (width + 1 - len(p)) for p in prompts])
     cache = make_prompt_cache(model)
-    tokens = mx.array(prompt)
-    scored: list[TokenLogprob] = []
-    positions = len(prompt) - 1
-    for start in range(0, positions, chunk_tokens):
-        end = min(start + chunk_tokens, positions)
-        logits = model(tokens[None, start:end], cache=cache)[0].astype(mx.float32)
+    scored: list[list[TokenLogprob]] = [[] for _ in prompts]
+    step = max(1, chunk_tokens // len(prompts))
+    for start in range(0, width, step):
+        end = min(start + step, width)
+        logits = model(tokens[:, start:end], cache=cache).astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        targets = tokens[start + 1:end + 1]
-        chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+        targets = tokens[:, start + 1:end + 1]
+        chosen = mx.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
         top_ids = top_values = chosen  # placeholders, not read when k == 0
+        if k == 1:  # what evaluation harnesses ask for; a partition costs far more
+            top_ids = mx.argmax(logprobs, axis=-1, keepdims=True)
+        elif k > 1:
+            top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
         if k > 0:
-            top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
             top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
         mx.eval(chosen, top_ids, top_values, [c.state for c in cache])
-        scored += _describe(texts, cast(list[int], targets.tolist()),
-                            cast(list[float], chosen.tolist()),
-                            top_ids.tolist() if k > 0 else None,
-                            top_values.tolist() if k > 0 else None)
-    return PromptLogprobs(texts(prompt[0])[0], tuple(scored)), cache
+        ids: Any = targets.tolist()
+        values: Any = chosen.tolist()
+        alternatives: Any = (top_ids.tolist(), top_values.tolist()) if k > 0 else None
+        for row, length in enumerate(lengths):
+            real = max(0, min(end, length) - start)  # the row's positions in this chunk
+            scored[row] += _describe(
+                texts, ids[row][:real], values[row][:real],
+                None if alternatives is None else (alternatives[0][row][:real],
+                                                   alternatives[1][row][:real]))
+    if len(prompts) == 1:
+        return [(scored[0], cache)]
+    return [(items, _row_cache(cache, row, length))
+            for row, (items, length) in enumerate(zip(scored, lengths, strict=True))]
+
+
+def _row_cache(cache: list[Any], row: int, length: int) -> list[Any]:
+    """One prompt's KV out of a batch's: its row, without the padding after it."""
+    out = []
+    for layer in cache:
+        own = KVCache()
+        own.keys = layer.keys[row:row + 1, :, :length]
+        own.values = layer.values[row:row + 1, :, :length]
+        own.offset = length
+        out.append(own)
+    return out
 
 
 def _describe(texts: TokenTexts, targets: list[int], chosen: list[float],
-              top_ids: Any, top_values: Any) -> list[TokenLogprob]:
+              alternatives: tuple[list[list[int]], list[list[float]]] | None
+              ) -> list[TokenLogprob]:
     out = []
     for i, (token, value) in enumerate(zip(targets, chosen, strict=True)):
         top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
-        if top_ids is not None:
-            pairs = sorted(zip(top_ids[i], top_values[i], strict=True), key=lambda p: -p[1])
+        if alternatives is not None:
+            pairs = sorted(zip(alternatives[0][i], alternatives[1][i], strict=True),
+                           key=lambda p: -p[1])
             top = tuple((*texts(t), finite(v)) for t, v in pairs)
         out.append(TokenLogprob(*texts(token), finite(value), top))
     return out
