@@ -185,3 +185,46 @@ def test_scores_do_not_depend_on_chunks_or_neighbours(tiny_model_dir):
             going_on = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1]
             from_scratch = model(mx.array(prompt)[None])[0, -1]
             assert mx.allclose(going_on, from_scratch, atol=1e-4).item()
+
+
+def test_a_request_taken_while_the_batch_was_broken_still_gets_its_scores(tiny_model_dir):
+    """A request that arrives behind a failed step is replayed by the rebuild before it
+    was ever admitted: its prompt is scored by the next step, as a newcomer's is."""
+    from mlx_serve.failpoints import FailPoints
+    from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
+    from mlx_serve.runner import BatchLimits, load_runner
+
+    def run(failpoints: str | None) -> dict[str, list]:
+        fp = FailPoints.from_spec(failpoints)
+        runner = load_runner(str(tiny_model_dir), limits=BatchLimits(), failpoints=fp)
+        prompt = tuple(runner.encode(PROMPT))
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+        plain = GenerationRequest("plain", prompt[:5], params)
+        scored = GenerationRequest("scored", prompt, params, output=OutputOptions(
+            logprobs=1, keep_leading_space=True, prompt_logprobs=1))
+        deltas: dict[str, list] = {"plain": [], "scored": []}
+        outcome = runner.step([plain], [])
+        if failpoints is not None:
+            assert outcome.error is not None  # the batch is broken now
+            assert runner.step([scored], []).skipped  # taken, not admitted
+            runner.rebuild()
+            outcome = runner.step([], [])
+        else:
+            outcome = runner.step([scored], [])
+        for _ in range(20):
+            for request_id, delta in outcome.deltas:
+                deltas[request_id].append(delta)
+            if all(d and d[-1].finish_reason for d in deltas.values()):
+                break
+            outcome = runner.step([], [])
+        runner.close()
+        fp.release()
+        return deltas
+
+    clean, recovered = run(None), run("engine.step=1*raise(RuntimeError:broken)->off")
+    for deltas in (clean, recovered):
+        carrying = [d.prompt_logprobs for d in deltas["scored"] if d.prompt_logprobs]
+        assert len(carrying) == 1 and deltas["scored"][0].prompt_logprobs is carrying[0]
+    assert [t.logprob for t in recovered["scored"][0].prompt_logprobs.scored] == \
+        pytest.approx([t.logprob for t in clean["scored"][0].prompt_logprobs.scored], abs=1e-5)
+    assert [d.text for d in recovered["scored"]] == [d.text for d in clean["scored"]]

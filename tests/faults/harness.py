@@ -60,6 +60,7 @@ class Reply:
     done: int = 0  # "[DONE]" events
     after_done: list[str] = field(default_factory=list)  # any data after the first [DONE]
     transport_error: str | None = None  # connection reset, timeout, ...
+    scored_echoes: int = 0  # completion choices whose logprobs open with the echoed prompt's
     elapsed: float = 0.0
     ended_at: float = 0.0  # time.monotonic() when the client call returned
 
@@ -174,6 +175,15 @@ def _record_chunk(reply: Reply, chunk: dict[str, Any], on_content: anyio.Event |
                 on_content.set()
         if choice.get("finish_reason") is not None:
             reply.finishes.append(choice["finish_reason"])
+        _count_scored_echo(reply, choice)
+
+
+def _count_scored_echo(reply: Reply, choice: dict[str, Any]) -> None:
+    """A completion's echoed prompt with its scores opens with its first token, which
+    has no log-probability."""
+    values = (choice.get("logprobs") or {}).get("token_logprobs")
+    if "text" in choice and values and values[0] is None:
+        reply.scored_echoes += 1
 
 
 def _record_error_body(reply: Reply, resp: httpx.Response) -> None:
@@ -208,6 +218,7 @@ async def complete_chat(client: httpx.AsyncClient, body: dict[str, Any],
         reply.text += choice.get("message", {}).get("content") or choice.get("text") or ""
         if choice.get("finish_reason") is not None:
             reply.finishes.append(choice["finish_reason"])
+        _count_scored_echo(reply, choice)
     return reply
 
 

@@ -74,8 +74,10 @@ def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
     body["prompt"] = rng.choice(PROMPTS)
     if rng.random() < 0.15:
         body["logprobs"] = rng.randint(0, 4)
-    if rng.random() < 0.1:
-        body["echo"] = True  # with logprobs, the prompt's tokens are scored too
+    if rng.random() < 0.15:
+        body["echo"] = True
+        if rng.random() < 0.5:  # the prompt's own tokens are scored too
+            body["logprobs"] = rng.randint(0, 4)
     return COMPLETIONS, body
 
 
@@ -133,6 +135,9 @@ def check_ending(reply: Reply) -> None:
     if reply.stream and reply.status == 200:
         assert reply.done == 1 and not reply.after_done, f"[DONE] not last and single: {info}"
     assert set(reply.finishes) <= {"stop", "length"}, info
+    if reply.body.get("echo") and reply.body.get("logprobs") is not None:
+        # Every choice that ended came with its prompt's scores, replayed or not.
+        assert reply.scored_echoes >= len(reply.finishes), f"scores lost: {info}"
     if not reply.errors:
         assert reply.status == 200, info
         assert len(reply.finishes) == reply.body.get("n", 1), f"a choice never ended: {info}"

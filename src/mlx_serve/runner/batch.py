@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -33,8 +32,10 @@ from mlx_serve.runner.early_split import (
     take_first_tokens,
     use_early_split,
 )
+from mlx_serve.runner.formats import compile_format
 from mlx_serve.runner.live import BatchLimits, Live
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
+from mlx_serve.runner.memory import MLXMemory
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.prompt_scoring import Scored, score_requests
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
@@ -43,9 +44,6 @@ from mlx_serve.runner.text import TextPipeline
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT_LENGTH = 4096
-
-# MLX's memory counters are read on the MLX thread at most this often while it steps.
-MEMORY_SAMPLE_INTERVAL_S = 0.25
 
 
 class Runner:
@@ -87,12 +85,11 @@ class Runner:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         # Choices of one prompt wait for its first sequence's prefill, then reuse its KV.
         self._waiting_for_prefill: dict[tuple[int, ...], list[Live]] = {}
+        self._unscored: list[Live] = []  # replayed before their prompts were scored
         self._one_array_logprobs = one_array_logprobs
         self._early_decode_join = early_decode_join
         self._batch = self._new_batch()
-        self._memory: dict[str, int] = {}
-        self._memory_sampled = 0.0
-        self._sample_memory()
+        self._mlx_memory = MLXMemory()
 
     # -- the actor's calls -------------------------------------------------------------
 
@@ -107,11 +104,7 @@ class Runner:
         if self._broken:  # a step behind a failed one: take its requests, step nothing
             return self._take_while_broken(admissions, cancellations)
         self._remove(cancellations)
-        scored = score_requests(self.model, admissions, self.token_texts,
-                                self._limits.prefill_step_size,
-                                self._limits.prefill_batch_size)
-        failed = [f for f in (self._admit(r, scored.get(r.request_id)) for r in admissions)
-                  if f is not None]
+        failed = self._admit(admissions)
         if not self._by_uid:
             return StepOutcome(failed=tuple(failed))
         try:
@@ -139,7 +132,7 @@ class Runner:
                 self._advance_or_fail(live, FirstToken(uid, token), deltas, failed)
         mark_sent_ahead(self._batch, sent)
         # Sampled every so often, and when the batch empties so that idle figures settle.
-        if not self._by_uid or time.monotonic() - self._memory_sampled >= MEMORY_SAMPLE_INTERVAL_S:
+        if not self._by_uid or self._mlx_memory.due():
             self._sample_memory()
         return StepOutcome(deltas=tuple(deltas), failed=tuple(failed), ran_batch=True,
                            prefilled=bool(prompt_responses))
@@ -190,7 +183,10 @@ class Runner:
         chosen = self._live.keys() if active is None else active
         for request_id in chosen:
             live = self._live[request_id]
-            self._insert(live, list(live.request.prompt_tokens) + live.generated)
+            if live.scores_due:  # taken while broken: the next step scores, then inserts
+                self._unscored.append(live)
+            else:
+                self._insert(live, list(live.request.prompt_tokens) + live.generated)
 
     def forget(self, request_ids: Collection[str]) -> None:
         """Drop requests for good (finished elsewhere, failed or isolated)."""
@@ -198,41 +194,22 @@ class Runner:
 
     def compile_response_format(self, response_format: dict) -> object:
         """Compile an OpenAI ``response_format`` for this tokenizer (any thread)."""
-        from mlx_serve.errors import RequestError, UnsupportedParameterError
-
-        try:
-            from mlx_serve.runner.structured import StructuredOutputError, compile_response_format
-        except ImportError:
-            raise UnsupportedParameterError("structured output is not available",
-                                            param="response_format") from None
-        try:
-            return compile_response_format(self.tokenizer, response_format, self.vocab_size)
-        except StructuredOutputError as exc:
-            raise RequestError(f"invalid response_format: {exc}",
-                               param="response_format") from None
+        return compile_format(self.tokenizer, response_format, self.vocab_size)
 
     def live_ids(self) -> list[str]:
         return list(self._live)
 
     def memory(self) -> dict[str, int]:
-        """MLX's memory figures in bytes, as last sampled on the MLX thread (any thread).
-
-        Never calls into MLX: its allocator takes a lock that a running step may hold
-        (a CUDA allocation can wait for the device), and the binding keeps the
-        interpreter lock while it waits, which would stall the event loop and /health.
-        """
-        return {**self._memory, "prefix_cache_bytes": self.prefix_cache.nbytes}
+        """MLX's memory figures in bytes, as last sampled on the MLX thread (any thread)."""
+        return {**self._mlx_memory.figures, "prefix_cache_bytes": self.prefix_cache.nbytes}
 
     def _sample_memory(self) -> None:
-        """Read MLX's allocator counters. Call on the MLX thread."""
-        self._memory = {"active_bytes": mx.get_active_memory(),
-                        "cache_bytes": mx.get_cache_memory(),
-                        "peak_bytes": mx.get_peak_memory()}
-        self._memory_sampled = time.monotonic()
+        self._mlx_memory.sample()
 
     def close(self) -> None:
         self._close_batch()
         self._live.clear()
+        self._unscored.clear()
         self._by_uid.clear()
 
     # -- internals ---------------------------------------------------------------------
@@ -264,26 +241,46 @@ class Runner:
         text = TextPipeline(self._new_detokenizer(), request, self._text_machine, hidden)
         return Live(request, text)
 
-    def _admit(self, request: GenerationRequest, scored: Scored | Exception | None = None
-               ) -> tuple[str, Exception] | None:
-        try:
-            self._failpoints.check("engine.admit", _user_set(request.user))
-            if isinstance(scored, Exception):
-                raise scored
-            live = self._new_live(request)
-            waiting = self._waiting_for_prefill.get(request.prompt_tokens)
-            if scored is not None:  # the prompt was run already: go on from its KV
-                self._insert_scored(live, scored)
-            elif waiting is not None:
-                waiting.append(live)  # a sibling choice is prefilling this very prompt
+    def _admit(self, admissions: Sequence[GenerationRequest]) -> list[tuple[str, Exception]]:
+        """Put newcomers into the batch, and requests whose prompts still need their
+        scores (replayed before their first admission); those prompts are scored
+        together first. A fault fails its own request only."""
+        failed: list[tuple[str, Exception]] = []
+        placing, self._unscored = [live for live in self._unscored
+                                   if self._live.get(live.request.request_id) is live], []
+        for request in admissions:
+            try:
+                self._failpoints.check("engine.admit", _user_set(request.user))
+                placing.append(self._new_live(request))
+            except Exception as exc:
+                failed.append((request.request_id, exc))
+        scored = score_requests(self.model, [x.request for x in placing if x.scores_due],
+                                self.token_texts, self._limits.prefill_step_size,
+                                self._limits.prefill_batch_size)
+        for live in placing:
+            request_id = live.request.request_id
+            try:
+                self._place(live, scored.get(request_id))
+            except Exception as exc:
+                self._live.pop(request_id, None)
+                failed.append((request_id, exc))
             else:
-                self._insert(live, list(request.prompt_tokens))
-                if self.prefix_cache.enabled:  # later equal prompts will wait for this one
-                    self._waiting_for_prefill.setdefault(request.prompt_tokens, [])
-        except Exception as exc:
-            return request.request_id, exc
-        self._live[request.request_id] = live
-        return None
+                self._live[request_id] = live
+        return failed
+
+    def _place(self, live: Live, scored: Scored | Exception | None) -> None:
+        if isinstance(scored, Exception):
+            raise scored
+        prompt = live.request.prompt_tokens
+        waiting = self._waiting_for_prefill.get(prompt)
+        if scored is not None:  # the prompt was run already: go on from its KV
+            self._insert_scored(live, scored)
+        elif waiting is not None:
+            waiting.append(live)  # a sibling choice is prefilling this very prompt
+        else:
+            self._insert(live, list(prompt))
+            if self.prefix_cache.enabled:  # later equal prompts will wait for this one
+                self._waiting_for_prefill.setdefault(prompt, [])
 
     def _release_waiting(self, prompt_responses: Any) -> None:
         """Once a prompt is prefilled, share its KV with the choices waiting for it."""
@@ -304,6 +301,7 @@ class Runner:
         """Insert a request whose prompt was scored, with the KV that left."""
         prompt = list(live.request.prompt_tokens)
         live.prompt_logprobs, cache = scored
+        live.scores_due = False
         if cache is None:  # a one-token prompt: nothing was run
             self._insert(live, prompt)
             return

@@ -19,7 +19,7 @@ class Live:
     """One request the runner is generating for (in the batch, or parked)."""
 
     __slots__ = ("request", "text", "generated", "uid", "cached_tokens", "prefilled",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "scores_due")
 
     def __init__(self, request: GenerationRequest, text: TextPipeline) -> None:
         self.request = request
@@ -29,6 +29,9 @@ class Live:
         self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache
         self.prefilled = False
         self.prompt_logprobs: PromptLogprobs | None = None  # sent with the first delta
+        # The prompt's own scores are asked for and not computed yet: it must be scored
+        # before it goes into a batch (admitted, or replayed before its first admission).
+        self.scores_due = request.output.prompt_logprobs is not None
 
     @property
     def remaining(self) -> int:
