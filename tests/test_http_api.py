@@ -335,6 +335,20 @@ def test_models_lists_exactly_the_served_model(client, server):
     raw = httpx.get(server.base_url + "/v1/models", timeout=5).json()
     assert raw["object"] == "list"
     assert len(raw["data"]) == 1
+    # vLLM's max_model_len: the context, as /tokenize reports it too.
+    context = httpx.post(server.base_url + "/tokenize", json={"prompt": "x"},
+                         timeout=5).json()["max_model_len"]
+    assert raw["data"][0]["max_model_len"] == context > 0
+
+
+def test_version_names_the_server_and_its_mlx(server):
+    from importlib.metadata import version
+
+    import mlx_serve
+
+    body = httpx.get(server.base_url + "/version", timeout=5).json()
+    assert body == {"version": mlx_serve.__version__, "mlx": version("mlx"),
+                    "mlx_lm": version("mlx-lm")}
 
 
 def test_debug_routes_are_absent_without_the_flag(server):

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlx_serve import __version__
 from mlx_serve.engine import ALIVE_STATES, Engine, EngineState
 from mlx_serve.errors import (
     AuthenticationError,
@@ -133,8 +134,27 @@ async def metrics(request: Request) -> Response:
 
 
 def _model_object(state: ServerState) -> dict[str, Any]:
-    return {"id": state.model_name, "object": "model", "created": state.started,
-            "owned_by": "mlx-serve"}
+    """OpenAI's model object, with vLLM's ``max_model_len`` (the context a prompt and its
+    reply share) once the model is loaded: clients size their requests by it."""
+    card: dict[str, Any] = {"id": state.model_name, "object": "model",
+                            "created": state.started, "owned_by": "mlx-serve"}
+    if state.engine.runner is not None:
+        card["max_model_len"] = state.engine.runner.context_length
+    return card
+
+
+async def version(request: Request) -> Response:
+    """vLLM's ``GET /version``, with the versions of the MLX libraries serving."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    def of(package: str) -> str | None:
+        try:
+            return installed(package)
+        except PackageNotFoundError:
+            return None
+
+    return JSONResponse({"version": __version__, "mlx": of("mlx"), "mlx_lm": of("mlx-lm")})
 
 
 async def list_models(request: Request) -> Response:
@@ -198,6 +218,7 @@ ROUTES = [
     Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/live", live, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
