@@ -262,3 +262,29 @@ def test_function_calls_and_their_outputs_go_in_as_the_chat_history(agentic_serv
              "arguments": '{"city": "Paris"}'},
             {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}])
     assert response.usage.input_tokens == as_chat["usage"]["prompt_tokens"]
+
+
+def test_a_function_call_carries_over_to_the_follow_up_by_id(agentic_server):
+    """An agent loop by response id: the model's call is kept with its response, and
+    the follow-up sends only the call's output, yet generates what the whole history
+    does."""
+    def respond(**body) -> dict:
+        reply = httpx.post(agentic_server.base_url + "/v1/responses", timeout=30, json={
+            "temperature": 0, "tools": [RESPONSES_TOOL], "max_output_tokens": 80, **body})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    asked = respond(input="What is the weather in Paris?",
+                    tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = [o for o in asked["output"] if o["type"] == "function_call"]
+    answer = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    chained = respond(input=[answer], previous_response_id=asked["id"], store=False)
+    said = [{"role": "assistant", "content": part["content"]} for part in asked["output"]
+            if part["type"] == "message" and part["content"]]
+    whole = respond(store=False, input=[
+        {"role": "user", "content": "What is the weather in Paris?"}, *said,
+        {"type": "function_call", "call_id": call["call_id"], "name": call["name"],
+         "arguments": call["arguments"]}, answer])
+    assert chained["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert chained["output"] == [{**o, "id": c["id"]} for o, c in
+                                 zip(whole["output"], chained["output"], strict=True)]

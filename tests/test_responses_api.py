@@ -85,7 +85,7 @@ def test_a_json_schema_text_format_is_enforced_and_completes(client, stream):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),  # no template
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include"),

@@ -33,6 +33,7 @@ from mlx_serve.metrics import ServerMetrics
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import DEFAULT_MODEL_ID
 from mlx_serve.remote_engine import RemoteEngine
+from mlx_serve.responses_store import ResponseStore
 from mlx_serve.routes import ROUTES
 from mlx_serve.server_state import ServerState
 
@@ -92,7 +93,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
             mlx = MLXThread(nice=settings.mlx_thread_nice)
             engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
         state = ServerState(settings, engine, failpoints, served_model_name(settings),
-                            ServerMetrics(engine))
+                            ServerMetrics(engine),
+                            responses=ResponseStore(settings.responses_store_bytes))
         app.state.server = state
         try:
             async with anyio.create_task_group() as tg:

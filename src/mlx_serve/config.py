@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     prefix_cache_bytes: int = Field(
         1 << 30, ge=0, description="byte budget of the prompt prefix cache (0 turns it off)"
     )
+    responses_store_bytes: int = Field(
+        64 << 20, ge=0,
+        description="byte budget of stored Responses, for previous_response_id and GET/DELETE "
+                    "/v1/responses/{id} (least recently used out first; 0 stores none)",
+    )
     mlx_cache_limit_bytes: int | None = Field(
         None, ge=0,
         description="most freed device memory MLX keeps for reuse (default: MLX's own limit)",

@@ -203,13 +203,13 @@ class TextConfig(BaseModel):
 
 # Responses API fields that would change the output and that are not served here.
 RESPONSES_UNSUPPORTED = frozenset({
-    "previous_response_id", "conversation", "background", "prompt", "include", "reasoning",
+    "conversation", "background", "prompt", "include", "reasoning",
     "top_logprobs", "max_tool_calls", "context_management", "moderation", "image",
     "background_options", "access_programs",
 })
 # Responses API fields accepted that change nothing about the generated text.
 RESPONSES_NO_EFFECT = frozenset({
-    "store", "metadata", "parallel_tool_calls", "service_tier", "safety_identifier",
+    "metadata", "parallel_tool_calls", "service_tier", "safety_identifier",
     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "stream_options",
 })
 
@@ -220,7 +220,8 @@ class ResponsesNamedToolChoice(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    """OpenAI's ``POST /v1/responses``, stateless: text in, text out."""
+    """OpenAI's ``POST /v1/responses``: text in, text out; a stored earlier response may
+    stand for the conversation before ``input``."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -237,6 +238,8 @@ class ResponsesRequest(BaseModel):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    previous_response_id: str | None = None
+    store: bool = True  # as at OpenAI: kept for previous_response_id unless told not to
 
 
 class TokenizeRequest(BaseModel):

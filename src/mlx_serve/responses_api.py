@@ -1,11 +1,12 @@
-"""OpenAI's Responses API (``POST /v1/responses``), stateless: a request becomes a chat
-request for the same engine, and its reply a Response object or its stream of events.
+"""OpenAI's Responses API (``POST /v1/responses``): a request becomes a chat request for
+the same engine, and its reply a Response object or its stream of events.
 
 Served: ``input`` as text, messages, function calls and their outputs,
 ``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``, function ``tools``
 with ``tool_choice``, ``text.format`` (json_object and json_schema through the same
-structured output as chat), ``user``, ``stream``. Nothing is stored, so anything that
-refers to an earlier response is a 400.
+structured output as chat), ``user``, ``stream``, and ``previous_response_id`` with
+``store`` (``responses_store``). Server-side conversations, background responses and
+the like are a 400.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mlx_serve.engine import RequestHandle
@@ -97,8 +98,10 @@ def _response_format(body: ResponsesRequest) -> ResponseFormat | None:
 class ResponseBuilder:
     """The Response object of one request, in the states a stream reports it in."""
 
-    def __init__(self, body: ResponsesRequest, model: str, request_id: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, request_id: str,
+                 store: bool = False) -> None:
         self._body = body
+        self.store = store  # whether the finished response is kept
         self.model = model
         self.id = request_id
         self.message_id = f"msg_{uuid.uuid4().hex}"
@@ -131,8 +134,9 @@ class ResponseBuilder:
             if error is not None else None,
             "incomplete_details": incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "model": self.model,
-            "output": output, "parallel_tool_calls": True, "previous_response_id": None,
-            "store": False, "temperature": body.temperature, "top_p": body.top_p,
+            "output": output, "parallel_tool_calls": True,
+            "previous_response_id": body.previous_response_id, "store": self.store,
+            "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text and body.text.format else {"type": "text"}},
             "tool_choice": "auto", "tools": [], "truncation": "disabled", "user": body.user,
@@ -182,10 +186,12 @@ class _EventWriter:
 
 
 async def response_events(handle: RequestHandle, shape: ReplyShape, builder: ResponseBuilder,
-                          ping_seconds: float, tracker: RequestTracker | None = None
+                          ping_seconds: float, tracker: RequestTracker | None = None,
+                          on_end: Callable[[dict[str, Any]], None] | None = None
                           ) -> AsyncIterator[bytes]:
     """The Responses stream: created, in progress, the message's text deltas, then
-    completed (incomplete at max_output_tokens, failed on an error)."""
+    completed (incomplete at max_output_tokens, failed on an error). ``on_end`` gets the
+    final Response of a stream that completed or ended incomplete."""
     event = _EventWriter()
     where = {"item_id": builder.message_id, "output_index": 0, "content_index": 0}
     choice = Choice(0)
@@ -219,7 +225,10 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
             error = MLXServeError(f"streaming failed: {type(exc).__name__}")
         finally:
             tell_tracker(tracker, [choice], error)
-    for frame in _closing_events(event, builder, where, choice, shape.prompt_tokens, error):
+    frames, final = _closing_events(event, builder, where, choice, shape.prompt_tokens, error)
+    if on_end is not None and error is None:
+        on_end(final)
+    for frame in frames:
         yield frame
 
 
@@ -237,16 +246,18 @@ def _call_events(event: _EventWriter, index: int, item: dict[str, Any]) -> list[
 
 def _closing_events(event: _EventWriter, builder: ResponseBuilder, where: dict[str, Any],
                     choice: Choice, prompt_tokens: int, error: MLXServeError | None
-                    ) -> list[bytes]:
+                    ) -> tuple[list[bytes], dict[str, Any]]:
+    """The stream's last events, and the final Response they carry."""
     if error is not None:
-        return [event("response.failed", response=builder.response(
-            "failed", choice, prompt_tokens, error))]
+        final = builder.response("failed", choice, prompt_tokens, error)
+        return [event("response.failed", response=final)], final
     text = "".join(choice.content)
     status = final_status(choice)
+    final = builder.response(status, choice, prompt_tokens)
     return [
         event("response.output_text.done", **where, text=text, logprobs=[]),
         event("response.content_part.done", **where, part=_output_text(text)),
         event("response.output_item.done", output_index=0, item=builder.message(
             text, "completed" if status == "completed" else "incomplete")),
-        event(f"response.{status}", response=builder.response(status, choice, prompt_tokens)),
-    ]
+        event(f"response.{status}", response=final),
+    ], final

@@ -38,6 +38,7 @@ from mlx_serve.responses_api import (
     response_events,
     whole_response,
 )
+from mlx_serve.responses_store import continued, output_as_items
 from mlx_serve.server_state import ServerState
 from mlx_serve.streaming import SSEResponse, collect, fail_fast, sse_events
 from mlx_serve.tokenizer_routes import TOKENIZER_ROUTES
@@ -176,19 +177,45 @@ async def responses(request: Request) -> Response:
     arrived = time.monotonic()
     state, body, model, engine = await _open(request, ResponsesRequest)
     request_id = _request_id("resp")
+    body, conversation = continued(body, state.responses)
     prepared = await build_chat_request(as_chat_request(body), engine.runner, state.settings,
                                         request_id)
     tracker = state.metrics.track(prepared.prompt_tokens, arrived)
     shape = _reply_shape(state, prepared, request_id, model, chat=True)
-    builder = ResponseBuilder(body, model, request_id)
+    keep = body.store and state.responses.max_bytes > 0
+    builder = ResponseBuilder(body, model, request_id, store=keep)
+
+    def store(final: dict[str, Any]) -> None:  # what a follow-up's previous_response_id finds
+        if keep:
+            state.responses.put(final, [*conversation, *output_as_items(final)])
+
     handle = state.engine.submit(*prepared.requests, wake_every=1 if body.stream else None)
     if body.stream:
         await fail_fast(handle, request, state.settings.sse_ping_seconds)
         return SSEResponse(response_events(handle, shape, builder,
-                                           state.settings.sse_ping_seconds, tracker))
+                                           state.settings.sse_ping_seconds, tracker, store))
     choice = Choice(0)
     await collect(handle, shape, 1, request, tracker, into=[choice])
-    return JSONResponse(whole_response(builder, choice, shape.prompt_tokens))
+    final = whole_response(builder, choice, shape.prompt_tokens)
+    store(final)
+    return JSONResponse(final)
+
+
+async def retrieve_response(request: Request) -> Response:
+    """OpenAI's ``GET /v1/responses/{id}``: a stored response."""
+    state = server_state(request)
+    _authorize(request, state)
+    return JSONResponse(state.responses.get(request.path_params["response_id"]).response)
+
+
+async def delete_response(request: Request) -> Response:
+    """OpenAI's ``DELETE /v1/responses/{id}``."""
+    state = server_state(request)
+    _authorize(request, state)
+    response_id = request.path_params["response_id"]
+    state.responses.get(response_id)  # a 404 for one that is not stored
+    state.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 async def health(request: Request) -> Response:
@@ -216,6 +243,8 @@ ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/version", version, methods=["GET"]),

@@ -12,6 +12,7 @@ from mlx_serve.engine import Engine
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.metrics import ServerMetrics
 from mlx_serve.remote_engine import RemoteEngine
+from mlx_serve.responses_store import ResponseStore
 
 
 @dataclass
@@ -22,5 +23,6 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     started: int = field(default_factory=lambda: int(time.time()))
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))
     # Set by the server runner (``mlx-serve``): shut down gracefully with this status.
     request_exit: Callable[[int], None] | None = None

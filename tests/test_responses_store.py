@@ -1,0 +1,108 @@
+"""Stored Responses: ``previous_response_id`` continues a conversation exactly as sending
+its whole history would, and ``GET``/``DELETE /v1/responses/{id}`` see what is kept."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from mlx_serve.responses_store import ResponseNotFoundError, ResponseStore
+from tests.http_helpers import MODEL, client_fixture, server_fixture
+from tests.server_process import ServerProcess
+
+server = server_fixture("responses-store")
+client = client_fixture()
+FIRST, SECOND, THIRD = "Tell me a story.", "And then?", "How does it end?"
+
+
+def create(client, **kw):
+    kw.setdefault("max_output_tokens", 6)
+    return client.responses.create(model=MODEL, temperature=0, **kw)
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": [{"type": "output_text", "text": text}]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_follow_up_is_what_sending_the_whole_history_generates(client, stream):
+    """Three turns chained by id give the text and the input tokens of three stateless
+    requests that each carry the conversation so far."""
+    def turn(**kw):
+        if not stream:
+            return create(client, **kw)
+        events = list(create(client, stream=True, **kw))
+        assert events[-1].type == "response.incomplete"  # 6 tokens: the tiny model runs on
+        return events[-1].response
+
+    first = turn(input=FIRST, instructions="Be brief.")
+    second = turn(input=SECOND, previous_response_id=first.id)
+    third = turn(input=[{"role": "user", "content": THIRD}], previous_response_id=second.id)
+    # Instructions are not inherited (as at OpenAI): the history is the messages alone.
+    history = [{"role": "user", "content": FIRST}, assistant(first.output_text),
+               {"role": "user", "content": SECOND}]
+    stateless_second = create(client, input=history, store=False)
+    stateless_third = create(client, input=[*history, assistant(second.output_text),
+                                            {"role": "user", "content": THIRD}], store=False)
+    for chained, stateless in ((second, stateless_second), (third, stateless_third)):
+        assert chained.output_text == stateless.output_text
+        assert chained.usage.input_tokens == stateless.usage.input_tokens
+    assert (second.previous_response_id, third.previous_response_id) == (first.id, second.id)
+    assert first.store and not stateless_second.store
+
+
+def test_a_stored_response_can_be_retrieved_and_deleted(client):
+    made = create(client, input=FIRST)
+    kept = client.responses.retrieve(made.id)
+    assert kept.model_dump() == made.model_dump()
+    client.responses.delete(made.id)
+    for call in (lambda: client.responses.retrieve(made.id),
+                 lambda: client.responses.delete(made.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.NotFoundError) as info:
+        create(client, input=SECOND, previous_response_id=made.id)
+    assert info.value.param == "previous_response_id"
+
+
+def test_store_false_keeps_nothing(client):
+    made = create(client, input=FIRST, store=False)
+    assert made.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+
+
+def test_without_a_store_every_response_says_so(tiny_model_dir, tmp_path):
+    with ServerProcess(tiny_model_dir, tmp_path / "server.log",
+                       args=["--responses-store-bytes", "0"]) as proc, \
+            openai.OpenAI(base_url=proc.base_url + "/v1", api_key="x",
+                          max_retries=0) as sdk:
+        made = create(sdk, input=FIRST)
+        assert made.store is False
+        with pytest.raises(openai.NotFoundError):
+            create(sdk, input=SECOND, previous_response_id=made.id)
+
+
+def response(response_id: str, text: str = "") -> dict:
+    return {"id": response_id, "output": [], "text": text}
+
+
+def test_the_store_keeps_the_most_recently_used_within_its_budget():
+    one = len(str(response("r0")))  # about what one entry costs
+    store = ResponseStore(max_bytes=3 * one + 40)
+    for i in range(3):
+        store.put(response(f"r{i}"), [])
+    store.get("r0")  # used: now the most recent
+    store.put(response("r3"), [])
+    assert {"r0", "r2", "r3"} == {r for r in ("r0", "r1", "r2", "r3") if _kept(store, r)}
+    assert store.nbytes <= store.max_bytes
+    store.put(response("huge", "x" * store.max_bytes), [])  # larger than the whole budget
+    assert not _kept(store, "huge") and len(store) == 3
+
+
+def _kept(store: ResponseStore, response_id: str) -> bool:
+    try:
+        store.get(response_id)
+    except ResponseNotFoundError:
+        return False
+    return True
