@@ -3,6 +3,8 @@ its whole history would, and ``GET``/``DELETE /v1/responses/{id}`` see what is k
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -88,8 +90,8 @@ def response(response_id: str, text: str = "") -> dict:
 
 
 def test_the_store_keeps_the_most_recently_used_within_its_budget():
-    one = len(str(response("r0")))  # about what one entry costs
-    store = ResponseStore(max_bytes=3 * one + 40)
+    one = len(json.dumps(response("r0"))) + len(json.dumps([]))  # what one entry costs
+    store = ResponseStore(max_bytes=3 * one + one // 2)  # room for three, not four
     for i in range(3):
         store.put(response(f"r{i}"), [])
     store.get("r0")  # used: now the most recent
