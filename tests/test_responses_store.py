@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_serve.responses_store import ResponseNotFoundError, ResponseStore
 from tests.http_helpers import MODEL, client_fixture, server_fixture
@@ -53,11 +55,21 @@ def test_a_follow_up_is_what_sending_the_whole_history_generates(client, stream)
     assert first.store and not stateless_second.store
 
 
-def test_a_stored_response_can_be_retrieved_and_deleted(client):
+def stored(server) -> tuple[float, float]:
+    """What /metrics says the store holds: responses, bytes."""
+    samples = {s.name: s.value for f in text_string_to_metric_families(
+        httpx.get(server.base_url + "/metrics", timeout=10).text) for s in f.samples}
+    return samples["mlx_serve_responses_stored"], samples["mlx_serve_responses_stored_bytes"]
+
+
+def test_a_stored_response_can_be_retrieved_and_deleted(server, client):
     made = create(client, input=FIRST)
     kept = client.responses.retrieve(made.id)
     assert kept.model_dump() == made.model_dump()
+    count, size = stored(server)
+    assert count >= 1 and size > 0
     client.responses.delete(made.id)
+    assert stored(server)[0] == count - 1 and stored(server)[1] < size
     for call in (lambda: client.responses.retrieve(made.id),
                  lambda: client.responses.delete(made.id)):
         with pytest.raises(openai.NotFoundError):

@@ -92,9 +92,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
         else:
             mlx = MLXThread(nice=settings.mlx_thread_nice)
             engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
+        responses = ResponseStore(settings.responses_store_bytes)
         state = ServerState(settings, engine, failpoints, served_model_name(settings),
-                            ServerMetrics(engine),
-                            responses=ResponseStore(settings.responses_store_bytes))
+                            ServerMetrics(engine, responses), responses=responses)
         app.state.server = state
         try:
             async with anyio.create_task_group() as tg:

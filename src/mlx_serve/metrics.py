@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
@@ -76,10 +76,15 @@ class _EngineCollector:
 class ServerMetrics:
     """One server's registry: the engine's collector and the per-request metrics."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, responses: Any = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         r = self.registry
+        if responses is not None:  # the stored Responses: read when scraped
+            Gauge("mlx_serve_responses_stored", "Responses kept for previous_response_id.",
+                  registry=r).set_function(lambda: len(responses))
+            Gauge("mlx_serve_responses_stored_bytes", "What the stored Responses take.",
+                  registry=r).set_function(lambda: responses.nbytes)
         self.ttft = Histogram("mlx_serve_time_to_first_token_seconds",
                               "From a request's arrival to its first output.",
                               buckets=TTFT_BUCKETS, registry=r)
