@@ -228,3 +228,61 @@ def test_a_request_taken_while_the_batch_was_broken_still_gets_its_scores(tiny_m
     assert [t.logprob for t in recovered["scored"][0].prompt_logprobs.scored] == \
         pytest.approx([t.logprob for t in clean["scored"][0].prompt_logprobs.scored], abs=1e-5)
     assert [d.text for d in recovered["scored"]] == [d.text for d in clean["scored"]]
+
+
+# -- vLLM's prompt_logprobs ---------------------------------------------------------------
+
+def test_vllm_prompt_logprobs_key_each_position_by_token_id(http, prompt_ids):
+    """Each position holds the prompt's own token (its rank in the vocabulary) and the
+    k likeliest, ranked 1..k; the values are the echo's."""
+    reply = complete(http, prompt=prompt_ids, max_tokens=1, prompt_logprobs=2)
+    choice = reply["choices"][0]
+    positions = choice["prompt_logprobs"]
+    assert choice["logprobs"] is None and positions[0] is None
+    assert len(positions) == len(prompt_ids)
+    echoed = complete(http, prompt=prompt_ids, max_tokens=1, logprobs=2,
+                      echo=True)["choices"][0]["logprobs"]
+    for i, entry in enumerate(positions[1:], 1):
+        own = entry[str(prompt_ids[i])]
+        assert own["logprob"] == pytest.approx(echoed["token_logprobs"][i], abs=1e-6)
+        assert own["decoded_token"] == echoed["tokens"][i]
+        top = sorted((e for e in entry.values() if e["rank"] <= 2), key=lambda e: e["rank"])
+        assert [e["rank"] for e in top] == [1, 2] and top[0]["logprob"] >= top[1]["logprob"]
+        if own["rank"] <= 2:  # among the alternatives: listed once, at its place
+            assert len(entry) == 2 and top[own["rank"] - 1] is own
+        else:
+            assert len(entry) == 3 and own["logprob"] <= top[1]["logprob"]
+
+
+def test_the_models_own_greedy_tokens_rank_first(http, prompt_ids, tiny_model_dir):
+    context = prompt_ids[:6]
+    greedy = greedy_continuation(tiny_model_dir, context, 4)
+    positions = complete(http, prompt=context + greedy, max_tokens=1,
+                         prompt_logprobs=1)["choices"][0]["prompt_logprobs"]
+    entries = [positions[len(context) + i] for i in range(len(greedy))]
+    assert [e[str(t)]["rank"] for e, t in zip(entries, greedy, strict=True)] == [1] * 4
+    assert all(len(e) == 1 for e in entries)  # the top one is the token itself
+
+
+def test_vllm_prompt_logprobs_in_a_chat_reply_cover_the_rendered_prompt(http):
+    reply = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+        "temperature": 0, "prompt_logprobs": 0, "n": 2})
+    assert reply.status_code == 200, reply.text
+    body = strict_json(reply.text)
+    positions = body["prompt_logprobs"]
+    assert len(positions) == body["usage"]["prompt_tokens"] and positions[0] is None
+    assert all(len(entry) == 1 for entry in positions[1:])  # no alternatives: its own only
+
+
+def test_vllm_prompt_logprobs_beside_an_echo_keep_their_own_counts(http, prompt_ids):
+    choice = complete(http, prompt=prompt_ids, max_tokens=1, logprobs=1, echo=True,
+                      prompt_logprobs=3)["choices"][0]
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(3 <= len(entry) <= 4 for entry in choice["prompt_logprobs"][1:])
+
+
+def test_vllm_prompt_logprobs_are_not_streamed(http):
+    reply = http.post("/v1/completions", json={"prompt": "hi", "stream": True,
+                                               "prompt_logprobs": 1})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs"

@@ -49,9 +49,11 @@ class OutputOptions:
     split_reasoning: bool = False  # route thinking/tool-call spans apart (chat only)
     initial_state: str = "normal"  # "reasoning" when the prompt opened a thinking span
     keep_leading_space: bool = False  # chat replies drop the first token's space
-    # Completions' echo with logprobs: the prompt's own tokens scored too, each with this
-    # many alternatives (None: off).
+    # The prompt's own tokens scored too (completions' echo with logprobs, vLLM's
+    # prompt_logprobs), each with this many alternatives (None: off); with prompt_ranks
+    # each token's rank in the vocabulary as well (vLLM's format has it).
     prompt_logprobs: int | None = None
+    prompt_ranks: bool = False
     # A compiled response format (runner.structured.CompiledFormat): it does change the
     # sampled tokens, but only the runner knows how to apply it.
     response_format: object | None = None
@@ -84,6 +86,9 @@ class PromptLogprobs:
 
     first_token: str
     scored: tuple[TokenLogprob, ...]  # the prompt's tokens after the first, in order
+    ids: tuple[int, ...] = ()  # their token ids
+    top_ids: tuple[tuple[int, ...], ...] = ()  # the ids of each one's alternatives (its top)
+    ranks: tuple[int, ...] = ()  # each one's rank in the vocabulary, 1 the likeliest (if asked)
 
 
 @dataclass(slots=True)

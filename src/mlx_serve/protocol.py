@@ -51,6 +51,8 @@ class _Request(BaseModel):
     # end-of-sequence token; end no earlier than min_tokens (no EOS, stop id or stop string).
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    # vLLM extension: the prompt's own tokens scored, each with this many alternatives.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class StreamOptions(BaseModel):

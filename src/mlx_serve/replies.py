@@ -37,6 +37,22 @@ def parse_tool_calls(parser: Any, tools: list[dict] | None, texts: tuple[str, ..
     return calls
 
 
+def vllm_prompt_logprobs(scores: PromptLogprobs) -> list[dict[str, dict] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first has none), its own entry
+    and its alternatives', keyed by token id, each with its log-probability, its rank in
+    the vocabulary and its text."""
+    out: list[dict[str, dict] | None] = [None]
+    for i, t in enumerate(scores.scored):
+        entry = {str(scores.ids[i]): {"logprob": t.logprob, "rank": scores.ranks[i],
+                                      "decoded_token": t.token}}
+        for rank, (token_id, (text, _, value)) in enumerate(zip(scores.top_ids[i], t.top,
+                                                                strict=True), 1):
+            entry.setdefault(str(token_id), {"logprob": value, "rank": rank,
+                                             "decoded_token": text})
+        out.append(entry)
+    return out
+
+
 def chat_logprob(t: TokenLogprob) -> dict:
     return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
             "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(b)}
@@ -75,6 +91,7 @@ class ReplyShape:
     tool_parser: Any = None
     tools: list[dict] | None = None
     echo: dict[int, str] = field(default_factory=dict)  # completions: each choice's prompt
+    prompt_logprobs: int | None = None  # vLLM's field: the prompt's scores in the reply
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     _text_frames: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False)
@@ -131,7 +148,9 @@ class ReplyShape:
             for t in prompt.scored:
                 text_offset.append(at)
                 at += len(t.token)
-            items = [*prompt.scored, *items]
+            # A larger number of alternatives may have been scored for prompt_logprobs.
+            items = [*(TokenLogprob(t.token, t.bytes, t.logprob, t.top[:self.logprobs])
+                       for t in prompt.scored), *items]
         tokens += [t.token for t in items]
         values += [t.logprob for t in items]
         tops += [{s: lp for s, _, lp in t.top} for t in items]
@@ -233,7 +252,8 @@ class ReplyShape:
     def completion(self, choices: list[Choice]) -> dict:
         items = []
         for c in sorted(choices, key=lambda c: c.index):
-            logprobs = self._logprobs_object(c.logprobs, c.offsets, c.prompt_logprobs)
+            echoed = c.prompt_logprobs if c.index in self.echo else None
+            logprobs = self._logprobs_object(c.logprobs, c.offsets, echoed)
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant",
                                            "content": "".join(c.content) or None}
@@ -249,6 +269,11 @@ class ReplyShape:
                 items.append({"index": c.index,
                               "text": self.echo.get(c.index, "") + "".join(c.content),
                               "logprobs": logprobs, "finish_reason": c.finish})
-        return {"id": self.id, "object": self._object(chunk=False), "created": self.created,
-                "model": self.model, "choices": items,
-                "usage": self.usage(choices)}
+                if self.prompt_logprobs is not None and c.prompt_logprobs is not None:
+                    items[-1]["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs)
+        body = {"id": self.id, "object": self._object(chunk=False), "created": self.created,
+                "model": self.model, "choices": items, "usage": self.usage(choices)}
+        scored = [c.prompt_logprobs for c in choices if c.prompt_logprobs is not None]
+        if self.chat and self.prompt_logprobs is not None and scored:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(scored[0])  # one prompt: vLLM's place
+        return body

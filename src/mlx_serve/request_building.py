@@ -40,6 +40,7 @@ class Prepared:
     tools: list[dict] | None = None
     reasoning_format: str = "reasoning"
     echo: dict[int, str] = dataclasses.field(default_factory=dict)  # choice -> its prompt
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's scores in the reply
 
 
 def _unsupported(param: str, why: str = "is not supported by this server") -> None:
@@ -67,6 +68,9 @@ def check_shared_fields(body: ChatCompletionRequest | CompletionRequest, setting
         raise RequestError("'stream_options' is only allowed when 'stream' is true",
                            param="stream_options")
     check_extra_fields(body.model_extra, UNSUPPORTED_FIELDS, ACCEPTED_NO_EFFECT)
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM
+        raise RequestError("'prompt_logprobs' is not available when 'stream' is true",
+                           param="prompt_logprobs")
     if body.n > settings.max_n:
         _unsupported("n", f"must be at most {settings.max_n}")
 
@@ -173,11 +177,13 @@ async def build_chat_request(
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     output = OutputOptions(logprobs=logprobs, split_reasoning=rendered.split_reasoning,
                            initial_state=rendered.initial_state,
-                           response_format=response_format)
+                           response_format=response_format,
+                           prompt_logprobs=body.prompt_logprobs,
+                           prompt_ranks=body.prompt_logprobs is not None)
     reqs = choices(request_id, rendered.tokens, params, body.n, 0, body.user, output)
     reasoning_format = body.reasoning_format or settings.reasoning_format
     return Prepared(tuple(reqs), len(rendered.tokens), logprobs, rendered.tools,
-                    reasoning_format)
+                    reasoning_format, prompt_logprobs=body.prompt_logprobs)
 
 
 # Text up to this many characters is rendered and tokenized on the event loop: that
@@ -238,15 +244,20 @@ async def build_completion_request(
     if len(prompts) * body.n > settings.max_n:
         _unsupported("prompt", f"times n may make at most {settings.max_n} choices")
     # A completion continues the prompt: its first token's leading space is real text.
-    # With echo, logprobs cover the echoed prompt's tokens too (as at OpenAI and vLLM).
+    # With echo, logprobs cover the echoed prompt's tokens too (as at OpenAI and vLLM);
+    # vLLM's prompt_logprobs asks for them on their own. Scored once, for both.
+    asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs)
+             if k is not None]
     output = OutputOptions(logprobs=body.logprobs, keep_leading_space=True,
-                           prompt_logprobs=body.logprobs if body.echo else None)
+                           prompt_logprobs=max(asked) if asked else None,
+                           prompt_ranks=body.prompt_logprobs is not None)
     reqs: list[GenerationRequest] = []
     for i, prompt in enumerate(prompts):  # OpenAI numbers choices prompt by prompt
         params = sampling_params(body, body.max_tokens, len(prompt), runner, settings)
         reqs += choices(request_id, prompt, params, body.n, i * body.n, body.user, output)
     echo = _echoes(body, prompts, runner) if body.echo else {}
-    return Prepared(tuple(reqs), sum(len(p) for p in prompts), body.logprobs, echo=echo)
+    return Prepared(tuple(reqs), sum(len(p) for p in prompts), body.logprobs, echo=echo,
+                    prompt_logprobs=body.prompt_logprobs)
 
 
 def _echoes(body: CompletionRequest, prompts: list[list[int]], runner: Any) -> dict[int, str]:

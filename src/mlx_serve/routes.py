@@ -121,7 +121,7 @@ def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model:
     return ReplyShape(chat=chat, model=model, prompt_tokens=prepared.prompt_tokens,
                       logprobs=prepared.logprobs, reasoning_format=prepared.reasoning_format,
                       tool_parser=parser, tools=prepared.tools, echo=prepared.echo,
-                      id=request_id, **options)
+                      prompt_logprobs=prepared.prompt_logprobs, id=request_id, **options)
 
 
 def _request_id(prefix: str) -> str:

@@ -35,15 +35,18 @@ def score_requests(model: Any, requests: Sequence[GenerationRequest], texts: Tok
     try:
         results: list[Scored | Exception] = list(score_prompts(
             model, [r.prompt_tokens for r in wanted],
-            [r.output.prompt_logprobs or 0 for r in wanted], texts, chunk_tokens, max_rows))
+            [r.output.prompt_logprobs or 0 for r in wanted], texts, chunk_tokens, max_rows,
+            ranks=[r.output.prompt_ranks for r in wanted]))
     except Exception as exc:
         results = [exc] * len(wanted)
     return {r.request_id: result for r, result in zip(wanted, results, strict=True)}
 
 
 def score_prompts(model: Any, prompts: Sequence[Sequence[int]], ks: Sequence[int],
-                  texts: TokenTexts, chunk_tokens: int, max_rows: int) -> list[Scored]:
-    """Score each prompt's tokens after the first, with ``ks[i]`` alternatives each.
+                  texts: TokenTexts, chunk_tokens: int, max_rows: int,
+                  ranks: Sequence[bool] | None = None) -> list[Scored]:
+    """Score each prompt's tokens after the first, with ``ks[i]`` alternatives each (and
+    their ranks in the vocabulary where ``ranks[i]``).
 
     Prompts of similar length go through the model together, up to ``max_rows`` at a
     time, right-padded (a causal model's real positions never see the padding after
@@ -51,6 +54,7 @@ def score_prompts(model: Any, prompts: Sequence[Sequence[int]], ks: Sequence[int
     ``chunk_tokens`` positions (rows times columns) are computed at once, which bounds
     the logits held (one vocabulary-sized row each).
     """
+    ranks = ranks or [False] * len(prompts)
     out: list[Scored | None] = [None] * len(prompts)
     longer = []
     for i, prompt in enumerate(prompts):
@@ -63,22 +67,52 @@ def score_prompts(model: Any, prompts: Sequence[Sequence[int]], ks: Sequence[int
     for at in range(0, len(longer), rows):
         group = longer[at:at + rows]
         k = max(ks[i] for i in group)
-        scored = _score_together(model, [prompts[i] for i in group], k, texts, chunk_tokens)
-        for i, (items, cache) in zip(group, scored, strict=True):
-            if ks[i] < k:  # alternatives are sorted best first: keep the asked-for ones
-                items = [TokenLogprob(t.token, t.bytes, t.logprob, t.top[:ks[i]])
-                         for t in items]
-            out[i] = (PromptLogprobs(texts(prompts[i][0])[0], tuple(items)), cache)
+        scored = _score_together(model, [prompts[i] for i in group], k, texts, chunk_tokens,
+                                 any(ranks[i] for i in group))
+        for i, (row, cache) in zip(group, scored, strict=True):
+            out[i] = (row.result(texts(prompts[i][0])[0], ks[i], ranks[i]), cache)
     return cast(list[Scored], out)
 
 
+class _Row:
+    """One prompt's scores as they come, chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.items: list[TokenLogprob] = []
+        self.ids: list[int] = []
+        self.top_ids: list[tuple[int, ...]] = []
+        self.ranks: list[int] = []
+
+    def add(self, texts: TokenTexts, ids: list[int], values: list[float],
+            alternatives: tuple[list[list[int]], list[list[float]]] | None,
+            ranks: list[int] | None) -> None:
+        for i, (token, value) in enumerate(zip(ids, values, strict=True)):
+            pairs: list[tuple[int, float]] = []
+            if alternatives is not None:
+                pairs = sorted(zip(alternatives[0][i], alternatives[1][i], strict=True),
+                               key=lambda p: -p[1])
+            self.items.append(TokenLogprob(*texts(token), finite(value),
+                                           tuple((*texts(t), finite(v)) for t, v in pairs)))
+            self.top_ids.append(tuple(t for t, _ in pairs))
+        self.ids += ids
+        self.ranks += ranks or []
+
+    def result(self, first_token: str, k: int, ranks: bool) -> PromptLogprobs:
+        """The scores one request asked for: its own number of alternatives (sorted best
+        first, so the first ``k`` of a larger group's), its ranks if asked."""
+        items = [TokenLogprob(t.token, t.bytes, t.logprob, t.top[:k]) for t in self.items]
+        return PromptLogprobs(first_token, tuple(items), tuple(self.ids),
+                              tuple(t[:k] for t in self.top_ids),
+                              tuple(self.ranks) if ranks else ())
+
+
 def _score_together(model: Any, prompts: list[Sequence[int]], k: int, texts: TokenTexts,
-                    chunk_tokens: int) -> list[tuple[list[TokenLogprob], list[Any]]]:
+                    chunk_tokens: int, ranks: bool) -> list[tuple[_Row, list[Any]]]:
     lengths = [len(p) - 1 for p in prompts]  # scored positions: every token but the last
     width = max(lengths)
     tokens = mx.array([list(p) + [0] * (width + 1 - len(p)) for p in prompts])
     cache = make_prompt_cache(model)
-    scored: list[list[TokenLogprob]] = [[] for _ in prompts]
+    scored = [_Row() for _ in prompts]
     step = max(1, chunk_tokens // len(prompts))
     for start in range(0, width, step):
         end = min(start + step, width)
@@ -86,27 +120,30 @@ def _score_together(model: Any, prompts: list[Sequence[int]], k: int, texts: Tok
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         targets = tokens[:, start + 1:end + 1]
         chosen = mx.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
-        top_ids = top_values = chosen  # placeholders, not read when k == 0
+        top_ids = top_values = rank = chosen  # placeholders, not read unless asked for
         if k == 1:  # what evaluation harnesses ask for; a partition costs far more
             top_ids = mx.argmax(logprobs, axis=-1, keepdims=True)
         elif k > 1:
             top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
         if k > 0:
             top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
-        mx.eval(chosen, top_ids, top_values, [c.state for c in cache])
+        if ranks:  # 1 + how many tokens are likelier than the prompt's own
+            rank = (logprobs > chosen[..., None]).sum(axis=-1) + 1
+        mx.eval(chosen, top_ids, top_values, rank, [c.state for c in cache])
         ids: Any = targets.tolist()
         values: Any = chosen.tolist()
         alternatives: Any = (top_ids.tolist(), top_values.tolist()) if k > 0 else None
+        rank_list: Any = rank.tolist() if ranks else None
         for row, length in enumerate(lengths):
             real = max(0, min(end, length) - start)  # the row's positions in this chunk
-            scored[row] += _describe(
-                texts, ids[row][:real], values[row][:real],
-                None if alternatives is None else (alternatives[0][row][:real],
-                                                   alternatives[1][row][:real]))
+            scored[row].add(texts, ids[row][:real], values[row][:real],
+                            None if alternatives is None else (alternatives[0][row][:real],
+                                                               alternatives[1][row][:real]),
+                            None if rank_list is None else rank_list[row][:real])
     if len(prompts) == 1:
         return [(scored[0], cache)]
-    return [(items, _row_cache(cache, row, length))
-            for row, (items, length) in enumerate(zip(scored, lengths, strict=True))]
+    return [(row, _row_cache(cache, i, length))
+            for i, (row, length) in enumerate(zip(scored, lengths, strict=True))]
 
 
 def _row_cache(cache: list[Any], row: int, length: int) -> list[Any]:
@@ -118,18 +155,4 @@ def _row_cache(cache: list[Any], row: int, length: int) -> list[Any]:
         own.values = layer.values[row:row + 1, :, :length]
         own.offset = length
         out.append(own)
-    return out
-
-
-def _describe(texts: TokenTexts, targets: list[int], chosen: list[float],
-              alternatives: tuple[list[list[int]], list[list[float]]] | None
-              ) -> list[TokenLogprob]:
-    out = []
-    for i, (token, value) in enumerate(zip(targets, chosen, strict=True)):
-        top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
-        if alternatives is not None:
-            pairs = sorted(zip(alternatives[0][i], alternatives[1][i], strict=True),
-                           key=lambda p: -p[1])
-            top = tuple((*texts(t), finite(v)) for t, v in pairs)
-        out.append(TokenLogprob(*texts(token), finite(value), top))
     return out
