@@ -64,7 +64,6 @@ def ready_engine(state: ServerState) -> Engine | RemoteEngine:
     return engine
 
 
-
 def check_model(state: ServerState, name: str | None) -> str:
     if name is not None and name != state.model_name:
         raise ModelNotFoundError(

@@ -6,25 +6,18 @@ import hmac
 import logging
 import time
 import uuid
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_serve import __version__
 from mlx_serve.engine import ALIVE_STATES, Engine, EngineState
-from mlx_serve.errors import (
-    AuthenticationError,
-)
+from mlx_serve.errors import AuthenticationError
 from mlx_serve.http_input import check_model, parse, read_json, ready_engine, server_state
 from mlx_serve.metrics import RequestTracker
-from mlx_serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponsesRequest,
-)
+from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from mlx_serve.remote_engine import RemoteEngine
 from mlx_serve.replies import Choice, ReplyShape
 from mlx_serve.request_building import (
@@ -44,7 +37,6 @@ from mlx_serve.streaming import SSEResponse, collect, fail_fast, sse_events
 from mlx_serve.tokenizer_routes import TOKENIZER_ROUTES
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
 
 
 def _authorize(request: Request, state: ServerState) -> None:
@@ -173,7 +165,9 @@ async def retrieve_model(request: Request) -> Response:
 
 
 async def responses(request: Request) -> Response:
-    """OpenAI's Responses API, stateless: generated as the equivalent chat request."""
+    """OpenAI's Responses API: generated as the equivalent chat request, after the stored
+    conversation that ``previous_response_id`` names; kept for follow-ups unless
+    ``store`` is false."""
     arrived = time.monotonic()
     state, body, model, engine = await _open(request, ResponsesRequest)
     request_id = _request_id("resp")
