@@ -84,11 +84,35 @@ def test_a_json_schema_text_format_is_enforced_and_completes(client, stream):
     assert isinstance(json.loads(reply.output_text)["n"], int)
 
 
+def test_output_text_logprobs_are_the_chat_requests(client):
+    """include message.output_text.logprobs: each token's log-probability and top
+    alternatives, as the chat request gives them, whole and streamed."""
+    messages = [{"role": "user", "content": QUESTION}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          max_tokens=6, logprobs=True, top_logprobs=2)
+    expected = [(t.token, t.logprob, [a.token for a in t.top_logprobs])
+                for t in chat.choices[0].logprobs.content]
+    ask = {"model": MODEL, "input": messages, "temperature": 0, "max_output_tokens": 6,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = client.responses.create(**ask)
+    part = whole.output[0].content[0]
+    assert [(t.token, t.logprob, [a.token for a in t.top_logprobs])
+            for t in part.logprobs] == expected
+    assert whole.top_logprobs == 2
+    events = list(client.responses.create(**ask, stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, t.logprob) for t in streamed] == [(e[0], e[1]) for e in expected]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert len(done.logprobs) == len(expected)
+    plain = client.responses.create(**{k: v for k, v in ask.items() if k != "include"})
+    assert plain.output[0].content[0].logprobs == []  # only when included, as at OpenAI
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),  # no template
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),

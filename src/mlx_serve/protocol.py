@@ -205,9 +205,8 @@ class TextConfig(BaseModel):
 
 # Responses API fields that would change the output and that are not served here.
 RESPONSES_UNSUPPORTED = frozenset({
-    "conversation", "background", "prompt", "include", "reasoning",
-    "top_logprobs", "max_tool_calls", "context_management", "moderation", "image",
-    "background_options", "access_programs",
+    "conversation", "background", "prompt", "reasoning", "max_tool_calls",
+    "context_management", "moderation", "image", "background_options", "access_programs",
 })
 # Responses API fields accepted that change nothing about the generated text.
 RESPONSES_NO_EFFECT = frozenset({
@@ -242,6 +241,8 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None
     previous_response_id: str | None = None
     store: bool = True  # as at OpenAI: kept for previous_response_id unless told not to
+    include: list[str] | None = None  # only "message.output_text.logprobs" is served
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class TokenizeRequest(BaseModel):

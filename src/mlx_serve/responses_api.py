@@ -4,9 +4,10 @@ the same engine, and its reply a Response object or its stream of events.
 Served: ``input`` as text, messages, function calls and their outputs,
 ``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``, function ``tools``
 with ``tool_choice``, ``text.format`` (json_object and json_schema through the same
-structured output as chat), ``user``, ``stream``, and ``previous_response_id`` with
-``store`` (``responses_store``). Server-side conversations, background responses and
-the like are a 400.
+structured output as chat), ``user``, ``stream``, the output text's logprobs
+(``include``, ``top_logprobs``), and ``previous_response_id`` with ``store``
+(``responses_store``). Server-side conversations, background responses and the like are
+a 400.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from mlx_serve.engine import RequestHandle
 from mlx_serve.errors import MLXServeError, UnsupportedParameterError
-from mlx_serve.generation import Failure
+from mlx_serve.generation import Delta, Failure, TokenLogprob
 from mlx_serve.metrics import RequestTracker
 from mlx_serve.protocol import (
     RESPONSES_NO_EFFECT,
@@ -37,9 +38,13 @@ from mlx_serve.protocol import (
     Tool,
     ToolCall,
 )
-from mlx_serve.replies import Choice, ReplyShape
+from mlx_serve.replies import Choice, ReplyShape, chat_logprob
 from mlx_serve.request_building import check_extra_fields
 from mlx_serve.streaming import pings_until_output, tell_tracker
+
+# The one ``include`` served: each output text's token log-probabilities (with
+# ``top_logprobs`` alternatives), as chat's logprobs give them.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 
 def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -48,6 +53,11 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.truncation == "auto":
         raise UnsupportedParameterError("'truncation': 'auto' is not supported (an input "
                                         "over the context is a 400)", param="truncation")
+    unknown = set(body.include or ()) - {OUTPUT_LOGPROBS}
+    if unknown:
+        raise UnsupportedParameterError(f"'include' of {sorted(unknown)} is not supported "
+                                        f"(only {OUTPUT_LOGPROBS!r})", param="include")
+    logprobs = OUTPUT_LOGPROBS in (body.include or ())
     tools = [Tool(type="function", function=FunctionDefinition(
         name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
         for t in body.tools] if body.tools else None
@@ -57,7 +67,8 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         messages=_messages(body), max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, user=body.user,
-        response_format=_response_format(body), tools=tools, tool_choice=choice)
+        response_format=_response_format(body), tools=tools, tool_choice=choice,
+        logprobs=logprobs or None, top_logprobs=(body.top_logprobs or 0) if logprobs else None)
 
 
 def _messages(body: ResponsesRequest) -> list[ChatMessage]:
@@ -107,9 +118,11 @@ class ResponseBuilder:
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
+    def message(self, text: str, status: str, logprobs: Sequence[TokenLogprob] = ()
+                ) -> dict[str, Any]:
         return {"id": self.message_id, "type": "message", "status": status,
-                "role": "assistant", "content": [_output_text(text)] if text else []}
+                "role": "assistant",
+                "content": [_output_text(text, logprobs)] if text else []}
 
     def response(self, status: str, choice: Choice | None = None, prompt_tokens: int = 0,
                  error: MLXServeError | None = None) -> dict[str, Any]:
@@ -124,7 +137,7 @@ class ResponseBuilder:
                                     "text": "".join(choice.reasoning)}]})
             text = "".join(choice.content)
             output.append(self.message(text, "completed" if status == "completed"
-                                       else "incomplete"))
+                                       else "incomplete", choice.logprobs))
             output += [function_call_item(call) for call in choice.tool_calls]
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
@@ -133,7 +146,8 @@ class ResponseBuilder:
             "error": {"code": error.code or error.error_type, "message": error.message}
             if error is not None else None,
             "incomplete_details": incomplete, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "model": self.model,
+            "max_output_tokens": body.max_output_tokens, "top_logprobs": body.top_logprobs,
+            "model": self.model,
             "output": output, "parallel_tool_calls": True,
             "previous_response_id": body.previous_response_id, "store": self.store,
             "temperature": body.temperature, "top_p": body.top_p,
@@ -152,8 +166,9 @@ def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
             "status": "completed"}
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": [chat_logprob(t) for t in logprobs]}
 
 
 def _usage(choice: Choice, prompt_tokens: int) -> dict[str, Any]:
@@ -196,6 +211,7 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
     where = {"item_id": builder.message_id, "output_index": 0, "content_index": 0}
     choice = Choice(0)
     error: MLXServeError | None = None
+    pending: list[dict[str, Any]] = []  # log-probabilities not sent with a text delta yet
     async with handle:  # first: a client gone at any yield below closes the request
         try:
             yield event("response.created", response=builder.response("in_progress"))
@@ -211,14 +227,8 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
                 if isinstance(item, Failure):
                     error = item.error
                     break
-                calls = shape.absorb(choice, item)
-                if item.text:
-                    yield event("response.output_text.delta", **where, delta=item.text,
-                                logprobs=[])
-                first = len(choice.tool_calls) - len(calls) + 1  # the message is item 0
-                for index, call in enumerate(calls, first):
-                    for frame in _call_events(event, index, function_call_item(call)):
-                        yield frame
+                for frame in _delta_events(event, where, shape, choice, item, pending):
+                    yield frame
         except MLXServeError as exc:
             error = exc
         except Exception as exc:  # a fault in our own send path still ends the stream cleanly
@@ -230,6 +240,24 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
         on_end(final)
     for frame in frames:
         yield frame
+
+
+def _delta_events(event: _EventWriter, where: dict[str, Any], shape: ReplyShape,
+                  choice: Choice, delta: Delta, pending: list[dict[str, Any]]) -> list[bytes]:
+    """One delta's events: its text, and the function calls it completed. A token that
+    completes no character yet (part of a UTF-8 sequence) has no text of its own: its
+    log-probability waits in ``pending`` and goes with the next text."""
+    frames = []
+    calls = shape.absorb(choice, delta)
+    pending += [chat_logprob(t) for t in delta.logprobs]
+    if delta.text:
+        frames.append(event("response.output_text.delta", **where, delta=delta.text,
+                            logprobs=list(pending)))
+        pending.clear()
+    first = len(choice.tool_calls) - len(calls) + 1  # the message is item 0
+    for index, call in enumerate(calls, first):
+        frames += _call_events(event, index, function_call_item(call))
+    return frames
 
 
 def _call_events(event: _EventWriter, index: int, item: dict[str, Any]) -> list[bytes]:
@@ -254,10 +282,11 @@ def _closing_events(event: _EventWriter, builder: ResponseBuilder, where: dict[s
     text = "".join(choice.content)
     status = final_status(choice)
     final = builder.response(status, choice, prompt_tokens)
+    part = _output_text(text, choice.logprobs)
     return [
-        event("response.output_text.done", **where, text=text, logprobs=[]),
-        event("response.content_part.done", **where, part=_output_text(text)),
+        event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
+        event("response.content_part.done", **where, part=part),
         event("response.output_item.done", output_index=0, item=builder.message(
-            text, "completed" if status == "completed" else "incomplete")),
+            text, "completed" if status == "completed" else "incomplete", choice.logprobs)),
         event(f"response.{status}", response=final),
     ], final
