@@ -61,6 +61,7 @@ class Reply:
     after_done: list[str] = field(default_factory=list)  # any data after the first [DONE]
     transport_error: str | None = None  # connection reset, timeout, ...
     scored_echoes: int = 0  # completion choices whose logprobs open with the echoed prompt's
+    response_id: str | None = None  # a Responses request's finished response
     elapsed: float = 0.0
     ended_at: float = 0.0  # time.monotonic() when the client call returned
 

@@ -105,6 +105,7 @@ async def responses_call(client: httpx.AsyncClient, body: dict[str, Any], stream
             reply.errors.append({"type": "server_error", **response["error"]})
         else:
             reply.finishes.append("length" if response["status"] == "incomplete" else "stop")
+            reply.response_id = response["id"]
 
     try:
         async with client.stream("POST", RESPONSES, json={**body, "stream": stream}) as resp:
@@ -159,9 +160,12 @@ async def test_every_request_ends_once_whatever_fails(launch, reference, model_n
     async def worker(seed: int) -> None:
         nonlocal left
         rng = random.Random(seed)
+        last_response: str | None = None  # the worker's conversation, continued by id
         async with http_client(server) as client:
             for _ in range(REQUESTS_PER_WORKER):
                 path, body = random_body(rng)
+                if path == RESPONSES and last_response and rng.random() < 0.4:
+                    body["previous_response_id"] = last_response
                 stream = rng.random() < 0.7
                 if stream and rng.random() < LEAVE_SHARE:
                     await read_then_leave(client, path, {**body, "stream": True},
@@ -169,6 +173,7 @@ async def test_every_request_ends_once_whatever_fails(launch, reference, model_n
                     left += 1
                 elif path == RESPONSES:
                     replies.append(await responses_call(client, body, stream))
+                    last_response = replies[-1].response_id or last_response
                 else:
                     replies.append(await call(client, body, stream, path)())
 
@@ -191,6 +196,7 @@ async def test_every_request_ends_once_whatever_fails(launch, reference, model_n
         check_ending(reply)
     failed = sum(bool(r.errors) for r in replies)
     assert left and failed and len(replies) - failed > len(replies) // 2  # the mix was real
+    assert any("previous_response_id" in r.body for r in replies)  # conversations went on
     assert scrapes and set(scrapes) == {200}
 
     async with http_client(server) as client:
