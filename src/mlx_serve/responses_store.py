@@ -27,9 +27,23 @@ class ResponseNotFoundError(MLXServeError):
 
 @dataclass(frozen=True)
 class StoredResponse:
-    response: dict[str, Any]
-    items: list[dict[str, Any]]  # the conversation so far, as Responses input items
-    nbytes: int
+    """Kept as JSON: the budget then counts what the store really holds (as Python
+    objects the same data would take several times its JSON size)."""
+
+    response_json: bytes
+    items_json: bytes  # the conversation so far, as Responses input items
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.response_json) + len(self.items_json)
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return json.loads(self.response_json)
+
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        return json.loads(self.items_json)
 
 
 class ResponseStore:
@@ -44,12 +58,12 @@ class ResponseStore:
     def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         """Keep a finished response; the least recently used go when over budget (one
         larger than the whole budget is not kept)."""
-        size = len(json.dumps(response)) + len(json.dumps(items))
-        if size > self.max_bytes:
+        entry = StoredResponse(json.dumps(response).encode(), json.dumps(items).encode())
+        if entry.nbytes > self.max_bytes:
             return
         self.delete(response["id"])
-        self._entries[response["id"]] = StoredResponse(response, items, size)
-        self.nbytes += size
+        self._entries[response["id"]] = entry
+        self.nbytes += entry.nbytes
         while self.nbytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self.nbytes -= evicted.nbytes
