@@ -148,12 +148,11 @@ class ReplyShape:
             for t in prompt.scored:
                 text_offset.append(at)
                 at += len(t.token)
-            # A larger number of alternatives may have been scored for prompt_logprobs.
-            items = [*(TokenLogprob(t.token, t.bytes, t.logprob, t.top[:self.logprobs])
-                       for t in prompt.scored), *items]
+            items = [*prompt.scored, *items]
         tokens += [t.token for t in items]
         values += [t.logprob for t in items]
-        tops += [{s: lp for s, _, lp in t.top} for t in items]
+        # The prompt may have been scored with more alternatives (for prompt_logprobs).
+        tops += [{s: lp for s, _, lp in t.top[:self.logprobs]} for t in items]
         return {"tokens": tokens, "token_logprobs": values,
                 "top_logprobs": tops if self.logprobs else None,
                 "text_offset": text_offset + offsets}

@@ -17,6 +17,7 @@ from typing import Any
 
 from mlx_serve.errors import MLXServeError
 from mlx_serve.protocol import ResponsesRequest
+from mlx_serve.request_building import off_loop_if_long
 
 
 class ResponseNotFoundError(MLXServeError):
@@ -36,14 +37,6 @@ class StoredResponse:
     @property
     def nbytes(self) -> int:
         return len(self.response_json) + len(self.items_json)
-
-    @property
-    def response(self) -> dict[str, Any]:
-        return json.loads(self.response_json)
-
-    @property
-    def items(self) -> list[dict[str, Any]]:
-        return json.loads(self.items_json)
 
 
 class ResponseStore:
@@ -90,21 +83,27 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     return [item.model_dump(by_alias=True, exclude_none=True) for item in body.input]
 
 
-def continued(body: ResponsesRequest, store: ResponseStore) -> tuple[ResponsesRequest,
-                                                                       list[dict[str, Any]]]:
+async def continued(body: ResponsesRequest, store: ResponseStore
+                    ) -> tuple[ResponsesRequest, list[dict[str, Any]]]:
     """The request with the conversation of its ``previous_response_id`` before its own
     input, and that whole conversation as items (what storing this response starts
-    from). A request without one is returned as it is."""
+    from). A request without one is returned as it is. The store is read on the event
+    loop; a long conversation is decoded and validated in a worker thread."""
     own = input_items(body)
     if body.previous_response_id is None:
         return body, own
     try:
-        earlier = store.get(body.previous_response_id).items
+        earlier = store.get(body.previous_response_id).items_json
     except ResponseNotFoundError:
         raise ResponseNotFoundError(
             f"Previous response with id '{body.previous_response_id}' not found.",
             param="previous_response_id") from None
-    items = [*earlier, *own]
+    return await off_loop_if_long(len(earlier), _prepend, body, earlier, own)
+
+
+def _prepend(body: ResponsesRequest, earlier: bytes, own: list[dict[str, Any]]
+             ) -> tuple[ResponsesRequest, list[dict[str, Any]]]:
+    items = [*json.loads(earlier), *own]
     return body.model_copy(update={"input": ResponsesRequest.model_validate(
         {"input": items}).input}), items
 

@@ -171,7 +171,7 @@ async def responses(request: Request) -> Response:
     arrived = time.monotonic()
     state, body, model, engine = await _open(request, ResponsesRequest)
     request_id = _request_id("resp")
-    body, conversation = continued(body, state.responses)
+    body, conversation = await continued(body, state.responses)
     prepared = await build_chat_request(as_chat_request(body), engine.runner, state.settings,
                                         request_id)
     tracker = state.metrics.track(prepared.prompt_tokens, arrived)
@@ -199,7 +199,8 @@ async def retrieve_response(request: Request) -> Response:
     """OpenAI's ``GET /v1/responses/{id}``: a stored response."""
     state = server_state(request)
     _authorize(request, state)
-    return JSONResponse(state.responses.get(request.path_params["response_id"]).response)
+    kept = state.responses.get(request.path_params["response_id"])
+    return Response(kept.response_json, media_type="application/json")  # stored as JSON
 
 
 async def delete_response(request: Request) -> Response:

@@ -249,7 +249,7 @@ class Runner:
                 placing.append(self._new_live(request))
             except Exception as exc:
                 failed.append((request.request_id, exc))
-        scored = score_requests(self.model, [x.request for x in placing if x.scores_due],
+        scored = score_requests(self.model, [x.request for x in placing],
                                 self.token_texts, self._limits.prefill_step_size,
                                 self._limits.prefill_batch_size)
         for live in placing:

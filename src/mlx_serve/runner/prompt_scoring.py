@@ -100,7 +100,9 @@ class _Row:
     def result(self, first_token: str, k: int, ranks: bool) -> PromptLogprobs:
         """The scores one request asked for: its own number of alternatives (sorted best
         first, so the first ``k`` of a larger group's), its ranks if asked."""
-        items = [TokenLogprob(t.token, t.bytes, t.logprob, t.top[:k]) for t in self.items]
+        items = self.items
+        if items and len(items[0].top) > k:  # the group scored more than this one asked
+            items = [TokenLogprob(t.token, t.bytes, t.logprob, t.top[:k]) for t in items]
         return PromptLogprobs(first_token, tuple(items), tuple(self.ids),
                               tuple(t[:k] for t in self.top_ids),
                               tuple(self.ranks) if ranks else ())
