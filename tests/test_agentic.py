@@ -278,7 +278,7 @@ def test_a_function_call_carries_over_to_the_follow_up_by_id(agentic_server):
                     tool_choice={"type": "function", "name": "get_weather"})
     (call,) = [o for o in asked["output"] if o["type"] == "function_call"]
     answer = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
-    chained = respond(input=[answer], previous_response_id=asked["id"], store=False)
+    chained = respond(input=[answer], previous_response_id=asked["id"])
     said = [{"role": "assistant", "content": part["content"]} for part in asked["output"]
             if part["type"] == "message" and part["content"]]
     whole = respond(store=False, input=[
@@ -288,3 +288,9 @@ def test_a_function_call_carries_over_to_the_follow_up_by_id(agentic_server):
     assert chained["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
     assert chained["output"] == [{**o, "id": c["id"]} for o, c in
                                  zip(whole["output"], chained["output"], strict=True)]
+    # What the follow-up was generated from, as listed: the call by the id it had.
+    listed = httpx.get(f"{agentic_server.base_url}/v1/responses/{chained['id']}/input_items",
+                       params={"order": "asc"}, timeout=10).json()["data"]
+    assert [i["type"] for i in listed] == [
+        "message", *(["message"] if said else []), "function_call", "function_call_output"]
+    assert listed[-2] == call and listed[-1]["output"] == "sunny"

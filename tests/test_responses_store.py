@@ -1,5 +1,6 @@
 """Stored Responses: ``previous_response_id`` continues a conversation exactly as sending
-its whole history would, and ``GET``/``DELETE /v1/responses/{id}`` see what is kept."""
+its whole history would, and ``GET``/``DELETE /v1/responses/{id}`` and ``GET
+/v1/responses/{id}/input_items`` see what is kept."""
 
 from __future__ import annotations
 
@@ -77,6 +78,64 @@ def test_a_stored_response_can_be_retrieved_and_deleted(server, client):
     with pytest.raises(openai.NotFoundError) as info:
         create(client, input=SECOND, previous_response_id=made.id)
     assert info.value.param == "previous_response_id"
+
+
+def test_input_items_are_the_conversation_that_generated_a_response(client):
+    """Newest first by default, each item with an id that stays the same in every later
+    response of the conversation; the assistant's turn is the earlier output message."""
+    first = create(client, input=[{"type": "message", "id": "msg_mine", "role": "user",
+                                   "content": FIRST}])
+    second = create(client, input=SECOND, previous_response_id=first.id)
+    listed = client.responses.input_items.list(second.id).data
+    assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in listed] == [
+        ("message", "user", "input_text", SECOND),
+        ("message", "assistant", "output_text", first.output_text),
+        ("message", "user", "input_text", FIRST)]
+    assert listed[-1].id == "msg_mine"  # the client's own id is kept
+    assert listed[1].id == first.output[0].id  # the earlier output, by its own id
+    assert len({i.id for i in listed}) == 3
+    # Six tokens cut the first reply short: its message keeps the status it had.
+    assert [i.status for i in listed] == ["completed", first.output[0].status, "completed"]
+    (only,) = client.responses.input_items.list(first.id).data
+    assert only.model_dump() == listed[-1].model_dump()
+    ascending = client.responses.input_items.list(second.id, order="asc").data
+    assert [i.id for i in ascending] == [i.id for i in reversed(listed)]
+
+
+def test_input_items_page_by_item_id(client):
+    made = create(client, input=[{"role": "user", "content": f"Turn {i}."} for i in range(5)])
+    whole = client.responses.input_items.list(made.id, order="asc")
+    assert [i.content[0].text for i in whole.data] == [f"Turn {i}." for i in range(5)]
+    assert (whole.first_id, whole.last_id, whole.has_more) == (
+        whole.data[0].id, whole.data[-1].id, False)
+    page = client.responses.input_items.list(made.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == [i.id for i in whole.data[:2]] and page.has_more
+    # The SDK's own paging (after= the last id of each page) walks every item once.
+    assert [i.id for i in page] == [i.id for i in whole.data]
+    # ``before`` (not in the SDK's signature) pages back: the items right before it.
+    before = client.responses.input_items.list(made.id, order="asc", limit=2,
+                                               extra_query={"before": whole.data[3].id})
+    assert [i.id for i in before.data] == [i.id for i in whole.data[1:3]] and before.has_more
+    newest = client.responses.input_items.list(made.id, limit=2, after=whole.data[1].id)
+    assert [i.id for i in newest.data] == [whole.data[0].id] and not newest.has_more
+    last = client.responses.input_items.list(made.id, order="asc", after=whole.data[-1].id)
+    assert (last.data, last.has_more) == ([], False)
+
+
+@pytest.mark.parametrize(("query", "param"), [
+    ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "many"}, "limit"),
+    ({"order": "sideways"}, "order"), ({"after": "msg_unknown"}, "after"),
+    ({"before": "msg_unknown"}, "before"), ({"include[]": "message.input_image.image_url"},
+                                            "include"),
+])
+def test_input_items_reject_what_they_cannot_list(server, client, query, param):
+    made = create(client, input=FIRST)
+    reply = httpx.get(f"{server.base_url}/v1/responses/{made.id}/input_items", params=query,
+                      timeout=10)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
 
 
 def test_store_false_keeps_nothing(client):

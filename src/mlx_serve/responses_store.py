@@ -1,21 +1,26 @@
-"""Stored Responses: what ``previous_response_id`` and ``GET``/``DELETE
-/v1/responses/{id}`` need, in memory, least recently used first out under a byte budget.
+"""Stored Responses: what ``previous_response_id``, ``GET``/``DELETE
+/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` need, in memory, least
+recently used first out under a byte budget.
 
 A stored response keeps its Response object and the conversation it ended as input
 items (the earlier responses' items, this request's input, its output as an assistant
 message and function calls), so that a follow-up names it instead of sending the
 history again. As at OpenAI, a follow-up does not inherit ``instructions`` or ``tools``.
-Nothing survives a restart.
+Every item is kept in the shape OpenAI lists input items in, with an id of its own
+(the client's, or one given here), so that a listing pages by item id. Nothing survives
+a restart.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_serve.errors import MLXServeError
+from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
 from mlx_serve.protocol import ResponsesRequest
 from mlx_serve.request_building import off_loop_if_long
 
@@ -33,6 +38,7 @@ class StoredResponse:
 
     response_json: bytes
     items_json: bytes  # the conversation so far, as Responses input items
+    inputs: int  # how many of those items went into this response (its output follows)
 
     @property
     def nbytes(self) -> int:
@@ -48,10 +54,13 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
-        """Keep a finished response; the least recently used go when over budget (one
-        larger than the whole budget is not kept)."""
-        entry = StoredResponse(json.dumps(response).encode(), json.dumps(items).encode())
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Keep a finished response after the ``conversation`` that generated it; the
+        least recently used go when over budget (one larger than the whole budget is not
+        kept)."""
+        items = [*conversation, *output_as_items(response)]
+        entry = StoredResponse(json.dumps(response).encode(), json.dumps(items).encode(),
+                               len(conversation))
         if entry.nbytes > self.max_bytes:
             return
         self.delete(response["id"])
@@ -76,11 +85,72 @@ class ResponseStore:
         return entry is not None
 
 
+def input_items_page(entry: StoredResponse, query: Mapping[str, str]) -> dict[str, Any]:
+    """One page of the items that went into a stored response, as OpenAI's ``GET
+    /v1/responses/{id}/input_items`` lists them: ``order`` (``desc``, newest first, by
+    default), ``limit`` (1-100, 20 by default), and the cursors ``after`` (the page
+    after an item id of the listing) and ``before`` (the page before one). ``include`` adds nothing to text items, so it is a 400."""
+    if "include" in query or "include[]" in query:
+        raise UnsupportedParameterError("'include' is not supported for input items "
+                                        "(they are text only)", param="include")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise RequestError("'order' must be 'asc' or 'desc'", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise RequestError("'limit' must be an integer from 1 to 100", param="limit")
+    items = json.loads(entry.items_json)[:entry.inputs]
+    if order == "desc":
+        items.reverse()
+    ids = [item["id"] for item in items]
+    start, end = 0, len(items)
+    for cursor, at_start in (("after", True), ("before", False)):
+        if (item_id := query.get(cursor)) is None:
+            continue
+        if item_id not in ids:
+            raise RequestError(f"'{cursor}': no input item '{item_id}' in this response",
+                               param=cursor)
+        if at_start:
+            start = ids.index(item_id) + 1
+        else:
+            end = ids.index(item_id)
+    # ``before`` pages back: the ``limit`` items right before it (has_more: more before).
+    window = items[start:end]
+    page = window[-limit:] if "before" in query and "after" not in query else window[:limit]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(window) > limit}
+
+
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """A request's ``input`` as a list of item dicts."""
+    """A request's ``input`` as stored items (see ``stored_item``)."""
     if isinstance(body.input, str):
-        return [{"type": "message", "role": "user", "content": body.input}]
-    return [item.model_dump(by_alias=True, exclude_none=True) for item in body.input]
+        return [stored_item({"type": "message", "role": "user", "content": body.input})]
+    return [stored_item(item.model_dump(by_alias=True, exclude_none=True))
+            for item in body.input]
+
+
+# Id prefixes of the items given one here, by type (OpenAI's, where it has one).
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def stored_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item in the shape OpenAI lists it in: with an id and a status, and a
+    message's content as a list of text parts (``input_text``, or ``output_text`` with
+    its annotations for the assistant's). A follow-up reads the same text from it."""
+    item = {"id": f"{_ID_PREFIX[item['type']]}_{uuid.uuid4().hex}", "status": "completed",
+            **item}
+    if item["type"] == "message":
+        kind = "output_text" if item["role"] == "assistant" else "input_text"
+        parts = [{"type": kind, "text": item["content"]}] \
+            if isinstance(item["content"], str) else item["content"]
+        item["content"] = [{**part, "annotations": []} if part["type"] == "output_text"
+                           else part for part in parts]
+    return item
 
 
 async def continued(body: ResponsesRequest, store: ResponseStore
@@ -109,14 +179,16 @@ def _prepend(body: ResponsesRequest, earlier: bytes, own: list[dict[str, Any]]
 
 
 def output_as_items(response: dict[str, Any]) -> list[dict[str, Any]]:
-    """A response's output as the input items a follow-up would send back: its text as
-    an assistant message, its function calls as they are (reasoning is left out)."""
+    """A response's output as the input items a follow-up would send back, with their
+    ids: its text as an assistant message, its function calls as they are (reasoning is
+    left out)."""
     items: list[dict[str, Any]] = []
     for item in response["output"]:
         if item["type"] == "message" and item["content"]:
-            items.append({"type": "message", "role": "assistant", "content": [
-                {"type": "output_text", "text": part["text"]} for part in item["content"]]})
+            items.append({"id": item["id"], "type": "message", "role": "assistant",
+                          "status": item["status"], "content": [
+                              {"type": "output_text", "text": part["text"], "annotations": []}
+                              for part in item["content"]]})
         elif item["type"] == "function_call":
-            items.append({"type": "function_call", "call_id": item["call_id"],
-                          "name": item["name"], "arguments": item["arguments"]})
+            items.append(dict(item))
     return items

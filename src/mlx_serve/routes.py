@@ -24,6 +24,7 @@ from mlx_serve.request_building import (
     Prepared,
     build_chat_request,
     build_completion_request,
+    off_loop_if_long,
 )
 from mlx_serve.responses_api import (
     ResponseBuilder,
@@ -31,7 +32,7 @@ from mlx_serve.responses_api import (
     response_events,
     whole_response,
 )
-from mlx_serve.responses_store import continued, output_as_items
+from mlx_serve.responses_store import continued, input_items_page
 from mlx_serve.server_state import ServerState
 from mlx_serve.streaming import SSEResponse, collect, fail_fast, sse_events
 from mlx_serve.tokenizer_routes import TOKENIZER_ROUTES
@@ -181,7 +182,7 @@ async def responses(request: Request) -> Response:
 
     def store(final: dict[str, Any]) -> None:  # what a follow-up's previous_response_id finds
         if keep:
-            state.responses.put(final, [*conversation, *output_as_items(final)])
+            state.responses.put(final, conversation)
 
     handle = state.engine.submit(*prepared.requests, wake_every=1 if body.stream else None)
     if body.stream:
@@ -201,6 +202,16 @@ async def retrieve_response(request: Request) -> Response:
     _authorize(request, state)
     kept = state.responses.get(request.path_params["response_id"])
     return Response(kept.response_json, media_type="application/json")  # stored as JSON
+
+
+async def list_input_items(request: Request) -> Response:
+    """OpenAI's ``GET /v1/responses/{id}/input_items``: the items a stored response was
+    generated from, a page at a time (a long conversation is decoded off the loop)."""
+    state = server_state(request)
+    _authorize(request, state)
+    kept = state.responses.get(request.path_params["response_id"])
+    return JSONResponse(await off_loop_if_long(len(kept.items_json), input_items_page, kept,
+                                               request.query_params))
 
 
 async def delete_response(request: Request) -> Response:
@@ -240,6 +251,7 @@ ROUTES = [
     Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
