@@ -294,3 +294,30 @@ def test_a_function_call_carries_over_to_the_follow_up_by_id(agentic_server):
     assert [i["type"] for i in listed] == [
         "message", *(["message"] if said else []), "function_call", "function_call_output"]
     assert listed[-2] == call and listed[-1]["output"] == "sunny"
+
+
+def test_reasoning_sent_back_goes_in_before_the_assistant_text(agentic_server):
+    """``input += response.output`` and a follow-up by id both give the chat template the
+    earlier turn's reasoning (``reasoning_content``), as a chat request carrying it does."""
+    question, again = "What is the weather?", "And tomorrow?"
+    with sdk(agentic_server) as client:
+        ask = {"model": "agentic", "temperature": 0, "max_output_tokens": 1}
+        first = client.responses.create(**{**ask, "max_output_tokens": 6}, input=question)
+        (reasoning,) = [o for o in first.output if o.type == "reasoning"]
+        thought = "".join(part.text for part in reasoning.content)
+        assert thought  # the template opened <think>: the reply starts in it
+        stateless = client.responses.create(**ask, store=False, input=[
+            {"role": "user", "content": question},
+            *[o.model_dump(exclude_none=True) for o in first.output],
+            {"role": "user", "content": again}])
+        chained = client.responses.create(**ask, input=again, previous_response_id=first.id)
+
+    def prompt_tokens(assistant: dict) -> int:
+        return chat(agentic_server, max_tokens=1, messages=[
+            {"role": "user", "content": question}, {"role": "assistant", **assistant},
+            {"role": "user", "content": again}]).json()["usage"]["prompt_tokens"]
+
+    said = {"content": first.output_text or None}
+    with_reasoning = prompt_tokens({**said, "reasoning_content": thought})
+    assert with_reasoning > prompt_tokens(said)  # the template renders it
+    assert stateless.usage.input_tokens == chained.usage.input_tokens == with_reasoning

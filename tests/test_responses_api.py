@@ -115,7 +115,8 @@ def test_output_text_logprobs_are_the_chat_requests(client):
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
-    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [],
+                 "encrypted_content": "gAAAAB"}]}, "input"),  # another server's reasoning
     ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
 ])
 def test_what_is_not_served_is_a_400_naming_it(client, extra, param):

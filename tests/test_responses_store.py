@@ -138,6 +138,37 @@ def test_input_items_reject_what_they_cannot_list(server, client, query, param):
         client.responses.input_items.list("resp_unknown")
 
 
+def test_item_references_stand_for_the_stored_items_they_name(client):
+    """A stateless request that names earlier items by id (as the Vercel AI SDK sends
+    them) generates what the same conversation continued by response id does; an item
+    twice is a 400, an unknown one a 404."""
+    first = create(client, input=FIRST)
+    (asked,) = client.responses.input_items.list(first.id).data
+    chained = create(client, input=SECOND, previous_response_id=first.id)
+    referenced = create(client, store=False, input=[
+        {"type": "item_reference", "id": asked.id},
+        {"type": "item_reference", "id": first.output[0].id},
+        {"role": "user", "content": SECOND}])
+    assert referenced.output_text == chained.output_text
+    assert referenced.usage.input_tokens == chained.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        create(client, input=[{"type": "item_reference", "id": asked.id}, SECOND_TURN],
+               previous_response_id=first.id)
+    assert "Duplicate item" in info.value.message and info.value.param == "input"
+    client.responses.delete(chained.id)  # its items are still in the first response
+    again = create(client, store=False, input=[
+        {"type": "item_reference", "id": asked.id},
+        {"type": "item_reference", "id": first.output[0].id}, SECOND_TURN])
+    assert again.usage.input_tokens == chained.usage.input_tokens
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as info:
+        create(client, input=[{"type": "item_reference", "id": asked.id}, SECOND_TURN])
+    assert info.value.param == "input"
+
+
+SECOND_TURN = {"role": "user", "content": SECOND}
+
+
 def test_store_false_keeps_nothing(client):
     made = create(client, input=FIRST, store=False)
     assert made.store is False
@@ -179,3 +210,20 @@ def _kept(store: ResponseStore, response_id: str) -> bool:
     except ResponseNotFoundError:
         return False
     return True
+
+
+def test_an_item_is_found_while_any_stored_response_holds_it():
+    store = ResponseStore(max_bytes=1 << 20)
+    item = {"id": "msg_a", "type": "message", "role": "user", "content": []}
+    store.put(response("r0"), [item])
+    store.put(response("r1"), [item, {**item, "id": "msg_b"}])  # r0's conversation, then more
+    assert store.holder("msg_a")[0] == "r1"
+    store.delete("r1")
+    assert store.holder("msg_a")[0] == "r0"
+    with pytest.raises(ResponseNotFoundError):
+        store.holder("msg_b")
+    big = response("r2", "x" * (store.max_bytes - 60))  # fits alone: r0 must go
+    store.put(big, [])
+    with pytest.raises(ResponseNotFoundError):
+        store.holder("msg_a")
+    assert len(store) == 1 and store.nbytes == len(json.dumps(big)) + len("[]")

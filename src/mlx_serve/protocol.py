@@ -180,6 +180,32 @@ class FunctionCallOutputItem(BaseModel):
     output: str
 
 
+class ReasoningPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """The model's reasoning in an earlier response, as a Responses input item (what a
+    client sends back when it keeps the history itself: ``input += response.output``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningPart] = []
+    content: list[ReasoningPart] | None = None
+    encrypted_content: str | None = None
+
+
+class ItemReference(BaseModel):
+    """An item of a stored response, named by its id instead of sent again."""
+
+    type: Literal["item_reference"]
+    id: str
+
+
 class FunctionTool(BaseModel):
     """A Responses tool: a function, described flat (not under ``function``)."""
 
@@ -227,8 +253,8 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: str | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutputItem],
-                           Field(min_length=1)]
+    input: str | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutputItem
+                                | ReasoningItem | ItemReference], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

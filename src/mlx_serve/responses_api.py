@@ -1,13 +1,13 @@
 """OpenAI's Responses API (``POST /v1/responses``): a request becomes a chat request for
 the same engine, and its reply a Response object or its stream of events.
 
-Served: ``input`` as text, messages, function calls and their outputs,
-``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``, function ``tools``
-with ``tool_choice``, ``text.format`` (json_object and json_schema through the same
-structured output as chat), ``user``, ``stream``, the output text's logprobs
-(``include``, ``top_logprobs``), and ``previous_response_id`` with ``store``
-(``responses_store``). Server-side conversations, background responses and the like are
-a 400.
+Served: ``input`` as text, messages, function calls and their outputs, reasoning and
+references to stored items, ``instructions``, ``max_output_tokens``, ``temperature``,
+``top_p``, function ``tools`` with ``tool_choice``, ``text.format`` (json_object and
+json_schema through the same structured output as chat), ``user``, ``stream``, the
+output text's logprobs (``include``, ``top_logprobs``), and ``previous_response_id``
+with ``store`` (``responses_store``). Server-side conversations, background responses
+and the like are a 400.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from mlx_serve.engine import RequestHandle
-from mlx_serve.errors import MLXServeError, UnsupportedParameterError
+from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
 from mlx_serve.generation import Delta, Failure, TokenLogprob
 from mlx_serve.metrics import RequestTracker
 from mlx_serve.protocol import (
@@ -31,7 +31,9 @@ from mlx_serve.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionDefinition,
+    ItemReference,
     NamedToolChoice,
+    ReasoningItem,
     ResponseFormat,
     ResponsesNamedToolChoice,
     ResponsesRequest,
@@ -72,28 +74,51 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _messages(body: ResponsesRequest) -> list[ChatMessage]:
-    """Instructions and input items as chat messages: a function call joins the
-    assistant message before it (or opens one), its output is a tool message."""
+    """Instructions and input items as chat messages. Reasoning opens an assistant
+    message (its ``reasoning_content``, for the chat template to keep or drop), which the
+    assistant's text then fills; a function call joins the assistant message before it
+    (or opens one); a call's output is a tool message."""
     messages = [ChatMessage(role="system", content=body.instructions)] \
         if body.instructions else []
     for item in [ChatMessage(role="user", content=body.input)] \
             if isinstance(body.input, str) else body.input:
+        last = messages[-1] if messages and messages[-1].role == "assistant" else None
         if isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
                                                                    arguments=item.arguments))
-            if not messages or messages[-1].role != "assistant":
-                messages.append(ChatMessage(role="assistant", content=None))
-            messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+            if last is None:
+                messages.append(last := ChatMessage(role="assistant", content=None))
+            last.tool_calls = [*(last.tool_calls or []), call]
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
                                         content=item.output))
+        elif isinstance(item, ReasoningItem):
+            messages.append(ChatMessage(role="assistant", content=None,
+                                        reasoning_content=reasoning_text(item)))
+        elif isinstance(item, ItemReference):  # resolved from the store before this
+            raise RequestError(f"item_reference '{item.id}' was not resolved", param="input")
         elif isinstance(item, ChatMessage):
             messages.append(item)
         else:
             text = item.content if isinstance(item.content, str) else \
                 "".join(part.text for part in item.content)
-            messages.append(ChatMessage(role=item.role, content=text))
+            if (item.role == "assistant" and last is not None and last.content is None
+                    and not last.tool_calls):  # the text after its reasoning
+                last.content = text
+            else:
+                messages.append(ChatMessage(role=item.role, content=text))
     return messages
+
+
+def reasoning_text(item: ReasoningItem) -> str:
+    """A reasoning item's text: its full text where it has it, else its summary. Only
+    encrypted reasoning (another server's) cannot be read here: a 400."""
+    if item.content:
+        return "".join(part.text for part in item.content)
+    if item.encrypted_content is not None and not item.summary:
+        raise UnsupportedParameterError("encrypted reasoning cannot be read by this server; "
+                                        "send the reasoning's text", param="input")
+    return "\n\n".join(part.text for part in item.summary)
 
 
 def _response_format(body: ResponsesRequest) -> ResponseFormat | None:

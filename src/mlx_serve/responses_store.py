@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
-from mlx_serve.protocol import ResponsesRequest
+from mlx_serve.protocol import ItemReference, ResponsesRequest
 from mlx_serve.request_building import off_loop_if_long
 
 
@@ -39,10 +39,12 @@ class StoredResponse:
     response_json: bytes
     items_json: bytes  # the conversation so far, as Responses input items
     inputs: int  # how many of those items went into this response (its output follows)
+    item_ids: tuple[str, ...]  # the items' ids, for ``item_reference`` inputs
 
     @property
     def nbytes(self) -> int:
-        return len(self.response_json) + len(self.items_json)
+        return (len(self.response_json) + len(self.items_json)
+                + sum(len(item_id) for item_id in self.item_ids))
 
 
 class ResponseStore:
@@ -50,6 +52,9 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        # Item id -> the stored responses whose conversations hold the item, oldest first
+        # (a conversation's earlier items are in every later response of it).
+        self._holders: dict[str, list[str]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -60,15 +65,16 @@ class ResponseStore:
         kept)."""
         items = [*conversation, *output_as_items(response)]
         entry = StoredResponse(json.dumps(response).encode(), json.dumps(items).encode(),
-                               len(conversation))
+                               len(conversation), tuple(item["id"] for item in items))
         if entry.nbytes > self.max_bytes:
             return
         self.delete(response["id"])
         self._entries[response["id"]] = entry
         self.nbytes += entry.nbytes
+        for item_id in entry.item_ids:
+            self._holders.setdefault(item_id, []).append(response["id"])
         while self.nbytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.nbytes -= evicted.nbytes
+            self._forget(*self._entries.popitem(last=False))
 
     def get(self, response_id: str) -> StoredResponse:
         entry = self._entries.get(response_id)
@@ -78,18 +84,34 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         return entry
 
+    def holder(self, item_id: str) -> tuple[str, StoredResponse]:
+        """The latest stored response whose conversation holds the item ``item_id``."""
+        holders = self._holders.get(item_id)
+        if not holders:
+            raise ResponseNotFoundError(f"Item with id '{item_id}' not found.", param="input")
+        return holders[-1], self.get(holders[-1])
+
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
-            self.nbytes -= entry.nbytes
+            self._forget(response_id, entry)
         return entry is not None
+
+    def _forget(self, response_id: str, entry: StoredResponse) -> None:
+        self.nbytes -= entry.nbytes
+        for item_id in entry.item_ids:
+            holders = self._holders[item_id]
+            holders.remove(response_id)
+            if not holders:
+                del self._holders[item_id]
 
 
 def input_items_page(entry: StoredResponse, query: Mapping[str, str]) -> dict[str, Any]:
     """One page of the items that went into a stored response, as OpenAI's ``GET
     /v1/responses/{id}/input_items`` lists them: ``order`` (``desc``, newest first, by
     default), ``limit`` (1-100, 20 by default), and the cursors ``after`` (the page
-    after an item id of the listing) and ``before`` (the page before one). ``include`` adds nothing to text items, so it is a 400."""
+    after an item id of the listing) and ``before`` (the page before one). ``include``
+    adds nothing to text items, so it is a 400."""
     if "include" in query or "include[]" in query:
         raise UnsupportedParameterError("'include' is not supported for input items "
                                         "(they are text only)", param="include")
@@ -126,16 +148,9 @@ def input_items_page(entry: StoredResponse, query: Mapping[str, str]) -> dict[st
             "has_more": len(window) > limit}
 
 
-def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """A request's ``input`` as stored items (see ``stored_item``)."""
-    if isinstance(body.input, str):
-        return [stored_item({"type": "message", "role": "user", "content": body.input})]
-    return [stored_item(item.model_dump(by_alias=True, exclude_none=True))
-            for item in body.input]
-
-
 # Id prefixes of the items given one here, by type (OpenAI's, where it has one).
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+              "reasoning": "rs"}
 
 
 def stored_item(item: dict[str, Any]) -> dict[str, Any]:
@@ -156,32 +171,59 @@ def stored_item(item: dict[str, Any]) -> dict[str, Any]:
 async def continued(body: ResponsesRequest, store: ResponseStore
                     ) -> tuple[ResponsesRequest, list[dict[str, Any]]]:
     """The request with the conversation of its ``previous_response_id`` before its own
-    input, and that whole conversation as items (what storing this response starts
-    from). A request without one is returned as it is. The store is read on the event
-    loop; a long conversation is decoded and validated in a worker thread."""
-    own = input_items(body)
-    if body.previous_response_id is None:
-        return body, own
-    try:
-        earlier = store.get(body.previous_response_id).items_json
-    except ResponseNotFoundError:
-        raise ResponseNotFoundError(
-            f"Previous response with id '{body.previous_response_id}' not found.",
-            param="previous_response_id") from None
-    return await off_loop_if_long(len(earlier), _prepend, body, earlier, own)
+    input and its ``item_reference`` inputs replaced by the stored items they name, and
+    that whole conversation as stored items (what storing this response starts from).
+    The store is read on the event loop; long conversations are decoded and validated
+    in a worker thread."""
+    earlier = b"[]"
+    if body.previous_response_id is not None:
+        try:
+            earlier = store.get(body.previous_response_id).items_json
+        except ResponseNotFoundError:
+            raise ResponseNotFoundError(
+                f"Previous response with id '{body.previous_response_id}' not found.",
+                param="previous_response_id") from None
+    holders = {item.id: store.holder(item.id) for item in body.input
+               if isinstance(item, ItemReference)} if not isinstance(body.input, str) else {}
+    if body.previous_response_id is None and not holders:
+        return body, _own_items(body, {})
+    sources = {response_id: entry.items_json for response_id, entry in holders.values()}
+    size = len(earlier) + sum(len(blob) for blob in sources.values())
+    return await off_loop_if_long(size, _assemble, body, earlier, holders, sources)
 
 
-def _prepend(body: ResponsesRequest, earlier: bytes, own: list[dict[str, Any]]
-             ) -> tuple[ResponsesRequest, list[dict[str, Any]]]:
-    items = [*json.loads(earlier), *own]
+def _assemble(body: ResponsesRequest, earlier: bytes,
+              holders: dict[str, tuple[str, StoredResponse]], sources: dict[str, bytes]
+              ) -> tuple[ResponsesRequest, list[dict[str, Any]]]:
+    stored = {response_id: {item["id"]: item for item in json.loads(blob)}
+              for response_id, blob in sources.items()}
+    referenced = {item_id: stored[response_id][item_id]
+                  for item_id, (response_id, _) in holders.items()}
+    items = [*json.loads(earlier), *_own_items(body, referenced)]
+    seen: set[str] = set()
+    for item in items:  # one item twice would be in the prompt twice (OpenAI: a 400)
+        if item["id"] in seen:
+            raise RequestError(f"Duplicate item found with id '{item['id']}'.", param="input")
+        seen.add(item["id"])
     return body.model_copy(update={"input": ResponsesRequest.model_validate(
         {"input": items}).input}), items
 
 
+def _own_items(body: ResponsesRequest, referenced: dict[str, dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """A request's ``input`` as stored items (see ``stored_item``), references as the
+    items they name."""
+    if isinstance(body.input, str):
+        return [stored_item({"type": "message", "role": "user", "content": body.input})]
+    return [referenced[item.id] if isinstance(item, ItemReference)
+            else stored_item(item.model_dump(by_alias=True, exclude_none=True))
+            for item in body.input]
+
+
 def output_as_items(response: dict[str, Any]) -> list[dict[str, Any]]:
     """A response's output as the input items a follow-up would send back, with their
-    ids: its text as an assistant message, its function calls as they are (reasoning is
-    left out)."""
+    ids: its text as an assistant message, its reasoning and function calls as they
+    are."""
     items: list[dict[str, Any]] = []
     for item in response["output"]:
         if item["type"] == "message" and item["content"]:
@@ -189,6 +231,6 @@ def output_as_items(response: dict[str, Any]) -> list[dict[str, Any]]:
                           "status": item["status"], "content": [
                               {"type": "output_text", "text": part["text"], "annotations": []}
                               for part in item["content"]]})
-        elif item["type"] == "function_call":
+        elif item["type"] in ("function_call", "reasoning"):
             items.append(dict(item))
     return items

@@ -45,8 +45,8 @@ _CHAT_TEMPLATE = (
 )
 
 # With ``agentic=True``: thinking and tool-call markers (as Qwen-style templates have
-# them) and a template that renders tools, tool calls and tool results, so mlx-lm
-# detects thinking and its "json_tools" parser.
+# them) and a template that renders tools, tool calls, tool results and an assistant's
+# earlier reasoning, so mlx-lm detects thinking and its "json_tools" parser.
 AGENTIC_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 _AGENTIC_TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\nTools:\n' }}"
@@ -55,6 +55,8 @@ _AGENTIC_TEMPLATE = (
     "{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message.get('reasoning_content') %}"
+    "{{ '<think>\n' + message['reasoning_content'] + '\n</think>\n' }}{% endif %}"
     "{% if message['content'] %}{{ message['content'] }}{% endif %}"
     "{% for call in message.get('tool_calls') or [] %}"
     "{% set tool_call = call['function'] %}"
