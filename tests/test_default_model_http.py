@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import openai
+import pydantic
 import pytest
 
 from tests.server_process import ServerProcess
@@ -84,3 +85,24 @@ def test_scoring_prefers_the_true_continuation(client):
 
     paris, london, banana = score(" Paris"), score(" London"), score(" banana")
     assert paris > london and paris > banana
+
+
+def test_the_sdk_parses_structured_answers_whole_and_streamed(client):
+    """The SDK's structured-output helpers (its strict JSON schema from a pydantic model,
+    and its event accumulators for chat and Responses streams) read the served answer."""
+    class Capital(pydantic.BaseModel):
+        city: str
+        country: str
+
+    ask = "What is the capital of France? Answer as JSON with city and country."
+    model = served_id(client)
+    whole = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": ask}], response_format=Capital,
+        max_tokens=40, temperature=0).choices[0].message.parsed
+    with client.responses.stream(model=model, input=ask, text_format=Capital,
+                                 max_output_tokens=40, temperature=0) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_response().output_parsed
+    assert isinstance(whole, Capital) and whole.city == "Paris"
+    assert streamed == whole  # the same request, whichever API serves it
