@@ -155,6 +155,9 @@ def test_item_references_stand_for_the_stored_items_they_name(client):
         create(client, input=[{"type": "item_reference", "id": asked.id}, SECOND_TURN],
                previous_response_id=first.id)
     assert "Duplicate item" in info.value.message and info.value.param == "input"
+    mine = {"type": "message", "id": "msg_twice", "role": "user", "content": FIRST}
+    with pytest.raises(openai.BadRequestError, match="Duplicate item"):
+        create(client, input=[mine, mine])
     client.responses.delete(chained.id)  # its items are still in the first response
     again = create(client, store=False, input=[
         {"type": "item_reference", "id": asked.id},

@@ -186,7 +186,7 @@ async def continued(body: ResponsesRequest, store: ResponseStore
     holders = {item.id: store.holder(item.id) for item in body.input
                if isinstance(item, ItemReference)} if not isinstance(body.input, str) else {}
     if body.previous_response_id is None and not holders:
-        return body, _own_items(body, {})
+        return body, _unique(_own_items(body, {}))
     sources = {response_id: entry.items_json for response_id, entry in holders.values()}
     size = len(earlier) + sum(len(blob) for blob in sources.values())
     return await off_loop_if_long(size, _assemble, body, earlier, holders, sources)
@@ -199,14 +199,20 @@ def _assemble(body: ResponsesRequest, earlier: bytes,
               for response_id, blob in sources.items()}
     referenced = {item_id: stored[response_id][item_id]
                   for item_id, (response_id, _) in holders.items()}
-    items = [*json.loads(earlier), *_own_items(body, referenced)]
+    items = _unique([*json.loads(earlier), *_own_items(body, referenced)])
+    return body.model_copy(update={"input": ResponsesRequest.model_validate(
+        {"input": items}).input}), items
+
+
+def _unique(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The items, if no id is there twice: an item twice would be in the prompt twice,
+    and a listing pages by id (OpenAI: a 400)."""
     seen: set[str] = set()
-    for item in items:  # one item twice would be in the prompt twice (OpenAI: a 400)
+    for item in items:
         if item["id"] in seen:
             raise RequestError(f"Duplicate item found with id '{item['id']}'.", param="input")
         seen.add(item["id"])
-    return body.model_copy(update={"input": ResponsesRequest.model_validate(
-        {"input": items}).input}), items
+    return items
 
 
 def _own_items(body: ResponsesRequest, referenced: dict[str, dict[str, Any]]
