@@ -102,9 +102,20 @@ def cpu_by_role(pid: int, before: Snapshot | None, after: Snapshot | None,
 def mlx_thread_id(snapshot: Snapshot | None) -> int | None:
     """mlx_serve's MLX thread in a snapshot. Threads inherit their creator's name, so
     MLX's own workers, started from the MLX thread, are called "mlx" too; the MLX
-    thread is the one created first (the lowest id)."""
+    thread is the one created first: the earliest start time, and among threads started
+    in the same clock tick the first listed (``/proc/PID/task`` lists a process's
+    threads in the order they were created). Not the lowest id: ids wrap around at
+    ``pid_max`` (32768 on some hosts), and a worker may then have a lower one."""
     named = [tid for tid, (name, _) in (snapshot or {}).items() if name == MLX_THREAD_NAME]
-    return min(named, default=None)
+    return min(named, key=_start_time, default=None)  # min keeps the first of equals
+
+
+def _start_time(tid: int) -> float:
+    """When thread ``tid`` started (clock ticks since boot); infinity once it has gone."""
+    try:
+        return int(stat_fields(f"/proc/{tid}")[19])
+    except (OSError, IndexError, ValueError):
+        return float("inf")
 
 
 def cpu_per_token_by_thread(summary: dict[str, Any], roles: dict[str, float] | None) -> None:

@@ -68,20 +68,34 @@ def test_the_per_cpu_sweep_times_the_probe_on_every_allowed_vcpu(capsys):
 
 def test_cpu_by_role_takes_per_thread_differences_and_finds_the_mlx_thread():
     import os
+    import threading
 
-    from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
+    from benchmarks.threads import (
+        cpu_by_role,
+        cpu_per_token_by_thread,
+        mlx_thread_id,
+        thread_times,
+    )
 
-    pid = 100
-    before = {100: ("python", 1.0), 101: ("mlx", 2.0), 105: ("mlx", 5.0),
-              107: ("python", 0.5), 109: ("python", 9.0)}
-    # 109 ended during the run; 110 started in it; 105 is a worker the MLX thread (101,
-    # the oldest of that name) started, so it inherited the name.
-    after = {100: ("python", 1.25), 101: ("mlx", 2.5), 105: ("mlx", 6.0),
-             107: ("python", 0.75), 110: ("python", 0.125)}
+    # Ids above any pid_max: no /proc entries, so only the listing order tells threads
+    # of one name apart (as for threads started in the same clock tick).
+    pid = 5_000_100
+    before = {pid: ("python", 1.0), pid + 1: ("mlx", 2.0), pid + 5: ("mlx", 5.0),
+              pid + 7: ("python", 0.5), pid + 9: ("python", 9.0)}
+    # +9 ended during the run; +10 started in it; +5 is a worker the MLX thread (+1, the
+    # first listed of that name) started, so it inherited the name.
+    after = {pid: ("python", 1.25), pid + 1: ("mlx", 2.5), pid + 5: ("mlx", 6.0),
+             pid + 7: ("python", 0.75), pid + 10: ("python", 0.125)}
     roles = cpu_by_role(pid, before, after)
     assert roles == {"main": 0.25, "stepping": 0.5, "other": 1.0 + 0.25 + 0.125}
+    # Listed first, it is the MLX thread whatever its id (ids wrap around at pid_max).
+    wrapped = {pid + 5: ("mlx", 2.5), pid + 1: ("mlx", 6.0), pid: ("python", 1.25)}
+    assert mlx_thread_id(wrapped) == pid + 5
+    # A thread that started earlier comes first, wherever it is listed.
+    main_tid = threading.get_native_id()
+    assert mlx_thread_id({pid + 1: ("mlx", 0.0), main_tid: ("mlx", 0.0)}) == main_tid
     # A harness that steps in its main thread names it; it then has no "main".
-    assert cpu_by_role(pid, before, after, stepping_tid=100)["main"] == 0
+    assert cpu_by_role(pid, before, after, stepping_tid=pid)["main"] == 0
     assert cpu_by_role(pid, None, after) is None
     summary = {"output_tokens": 250}
     cpu_per_token_by_thread(summary, roles)
