@@ -195,9 +195,7 @@ def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatc
     args = env_ab.build_parser().parse_args([
         "--model", str(tiny_model_dir), "--variant", "-",
         "--variant", "MLX_SERVE_STREAM_INTERVAL=4", "--isolate", "--concurrency", "2",
-        # 128 tokens a run: the stepping thread's CPU is read in clock ticks (10 ms), and
-        # a run of a few milliseconds of stepping could read none.
-        "--rounds", "1", "--prompt-tokens", "16", "--output-tokens", "64",
+        "--rounds", "1", "--prompt-tokens", "16", "--output-tokens", "8",
         "--min-requests", "2", "--requests-per-stream", "1", "--decode-batch-size", "8",
         "--run-time-limit", "60", "--stalls"])
     report = env_ab.run(args)
