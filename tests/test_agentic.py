@@ -321,3 +321,40 @@ def test_reasoning_sent_back_goes_in_before_the_assistant_text(agentic_server):
     with_reasoning = prompt_tokens({**said, "reasoning_content": thought})
     assert with_reasoning > prompt_tokens(said)  # the template renders it
     assert stateless.usage.input_tokens == chained.usage.input_tokens == with_reasoning
+
+
+@pytest.mark.parametrize(("effort", "thinks"), [("none", False), ("minimal", False),
+                                                ("low", True), ("high", True)])
+def test_reasoning_effort_sets_the_templates_thinking_switch(agentic_server, effort, thinks):
+    """OpenAI's reasoning_effort (chat) and reasoning.effort (Responses) reach a
+    Qwen-style template as its enable_thinking: the same prompt as that switch."""
+    switched = chat(agentic_server, chat_template_kwargs={"enable_thinking": thinks}).json()
+    by_effort = chat(agentic_server, reasoning_effort=effort).json()
+    assert by_effort["usage"]["prompt_tokens"] == switched["usage"]["prompt_tokens"]
+    assert ("reasoning" in by_effort["choices"][0]["message"]) is thinks
+    with sdk(agentic_server) as client:
+        response = client.responses.create(model="agentic", input="What is the weather?",
+                                           reasoning={"effort": effort}, max_output_tokens=6,
+                                           temperature=0)
+    assert response.usage.input_tokens == switched["usage"]["prompt_tokens"]
+    assert any(o.type == "reasoning" for o in response.output) is thinks
+
+
+def test_reasoning_summaries_are_not_made_here(agentic_server):
+    reply = httpx.post(agentic_server.base_url + "/v1/responses", timeout=30, json={
+        "input": "Hi", "reasoning": {"effort": "low", "summary": "auto"}})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"].startswith("reasoning")
+
+
+def test_reasoning_effort_goes_to_a_template_that_takes_it_or_is_a_400():
+    from types import SimpleNamespace
+
+    from mlx_serve.errors import UnsupportedParameterError
+    from mlx_serve.prompts import effort_kwargs
+
+    gpt_oss_like = SimpleNamespace(chat_template="Reasoning: {{ reasoning_effort }}")
+    assert effort_kwargs("low", gpt_oss_like) == {"reasoning_effort": "low"}
+    with pytest.raises(UnsupportedParameterError) as info:
+        effort_kwargs("low", SimpleNamespace(chat_template="{{ messages }}"))
+    assert info.value.param == "reasoning_effort"

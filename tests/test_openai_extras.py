@@ -203,3 +203,12 @@ def test_echo_of_several_prompts_and_of_token_ids(client, tiny_model_dir):
     ids = [100, 101, 102]
     decoded = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).decode(ids)
     assert decoded and text(ids, echo=True) == [decoded + text(ids)[0]]
+
+
+def test_reasoning_effort_for_a_model_that_does_not_reason_is_a_400(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, reasoning_effort="low")
+    assert info.value.param == "reasoning_effort"
+    assert "not supported with this model" in info.value.message

@@ -91,14 +91,32 @@ def forced_call_schema(body: ChatCompletionRequest, tokenizer: Any) -> dict | No
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+def template_kwargs(body: ChatCompletionRequest, tokenizer: Any) -> dict[str, Any]:
     kwargs = dict(body.chat_template_kwargs or {})
     unknown = set(kwargs) - CHAT_TEMPLATE_KWARGS
     if unknown:
         raise RequestError(
             f"'chat_template_kwargs' may only hold {sorted(CHAT_TEMPLATE_KWARGS)}; "
             f"got {sorted(unknown)}", param="chat_template_kwargs")
+    if body.reasoning_effort is not None:
+        kwargs.update(effort_kwargs(body.reasoning_effort, tokenizer))
     return kwargs
+
+
+def effort_kwargs(effort: str, tokenizer: Any) -> dict[str, Any]:
+    """``reasoning_effort`` as the chat template's own setting: its ``reasoning_effort``
+    (gpt-oss-style templates), else its thinking switch (Qwen-style ``enable_thinking``:
+    off for "none" and "minimal"). A template with neither cannot honour it: a 400, as
+    OpenAI answers it for a model that does not reason."""
+    template = getattr(tokenizer, "chat_template", None)
+    source = template if isinstance(template, str) else str(template or "")
+    if "reasoning_effort" in source:
+        return {"reasoning_effort": effort}
+    if "enable_thinking" in source:
+        return {"enable_thinking": effort not in ("none", "minimal")}
+    raise UnsupportedParameterError(
+        "'reasoning_effort' is not supported with this model (its chat template has no "
+        "reasoning setting)", param="reasoning_effort")
 
 
 def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionRequest
@@ -106,7 +124,7 @@ def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionReque
     if not getattr(tokenizer, "has_chat_template", True):
         raise RequestError("this model has no chat template; use /v1/completions")
     tools = offered_tools(body, tokenizer)
-    kwargs = template_kwargs(body)
+    kwargs = template_kwargs(body, tokenizer)
     messages = [message_dict(m) for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # OpenAI fields that would change the output and that this server cannot honour yet.
 # Sending them (with a non-default value) is a 400, never silently ignored.
 UNSUPPORTED_FIELDS = frozenset({
-    "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+    "audio", "modalities", "prediction", "web_search_options",
     "functions", "function_call", "verbosity",
 })
 # Template arguments a client may pass through ``chat_template_kwargs``. ``tokenize`` and
@@ -126,6 +126,8 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # How much a reasoning model thinks, through its chat template (prompts.py).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # Where reasoning goes in replies (vendor field, as llama.cpp's server has it).
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] | None = None
 
@@ -231,7 +233,7 @@ class TextConfig(BaseModel):
 
 # Responses API fields that would change the output and that are not served here.
 RESPONSES_UNSUPPORTED = frozenset({
-    "conversation", "background", "prompt", "reasoning", "max_tool_calls",
+    "conversation", "background", "prompt", "max_tool_calls",
     "context_management", "moderation", "image", "background_options", "access_programs",
 })
 # Responses API fields accepted that change nothing about the generated text.
@@ -239,6 +241,17 @@ RESPONSES_NO_EFFECT = frozenset({
     "metadata", "parallel_tool_calls", "service_tier", "safety_identifier",
     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "stream_options",
 })
+
+
+class ReasoningConfig(BaseModel):
+    """The Responses ``reasoning`` setting: its ``effort`` is chat's ``reasoning_effort``.
+    Summaries of the reasoning are not made here (its full text comes back)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: None = None
+    generate_summary: None = None
 
 
 class ResponsesNamedToolChoice(BaseModel):
@@ -266,6 +279,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     truncation: Literal["auto", "disabled"] | None = None
     previous_response_id: str | None = None
+    reasoning: ReasoningConfig | None = None
     store: bool = True  # as at OpenAI: kept for previous_response_id unless told not to
     include: list[str] | None = None  # only "message.output_text.logprobs" is served
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

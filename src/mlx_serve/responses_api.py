@@ -5,9 +5,10 @@ Served: ``input`` as text, messages, function calls and their outputs, reasoning
 references to stored items, ``instructions``, ``max_output_tokens``, ``temperature``,
 ``top_p``, function ``tools`` with ``tool_choice``, ``text.format`` (json_object and
 json_schema through the same structured output as chat), ``user``, ``stream``, the
-output text's logprobs (``include``, ``top_logprobs``), and ``previous_response_id``
-with ``store`` (``responses_store``). Server-side conversations, background responses
-and the like are a 400.
+output text's logprobs (``include``, ``top_logprobs``), ``previous_response_id`` with
+``store`` (``responses_store``), and ``reasoning.effort`` (chat's ``reasoning_effort``).
+Server-side conversations, background responses, reasoning summaries and the like are
+a 400.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         messages=_messages(body), max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, user=body.user,
         response_format=_response_format(body), tools=tools, tool_choice=choice,
+        reasoning_effort=body.reasoning.effort if body.reasoning is not None else None,
         logprobs=logprobs or None, top_logprobs=(body.top_logprobs or 0) if logprobs else None)
 
 
