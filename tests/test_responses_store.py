@@ -230,3 +230,27 @@ def test_an_item_is_found_while_any_stored_response_holds_it():
     with pytest.raises(ResponseNotFoundError):
         store.holder("msg_a")
     assert len(store) == 1 and store.nbytes == len(json.dumps(big)) + len("[]")
+
+
+def test_the_item_index_follows_every_put_delete_and_eviction():
+    """Whatever is stored, dropped or pushed out, each item id leads to exactly the
+    stored responses that hold it (an item in no stored response is not found)."""
+    import random
+
+    rng = random.Random(7)
+    store = ResponseStore(max_bytes=4000)
+    ids = [f"msg_{i}" for i in range(12)]
+    for step in range(400):
+        if rng.random() < 0.2 and len(store):
+            store.delete(rng.choice(list(store._entries)))
+            continue
+        held = rng.sample(ids, rng.randint(1, 4))
+        store.put(response(f"r{step}", "x" * rng.randint(0, 600)),
+                  [{"id": i, "type": "message", "role": "user", "content": []} for i in held])
+        assert store.nbytes == sum(e.nbytes for e in store._entries.values()) <= 4000
+        for item_id in ids:
+            holding = [r for r, e in store._entries.items() if item_id in e.item_ids]
+            if holding:
+                assert store._holders[item_id] and set(store._holders[item_id]) == set(holding)
+            else:
+                assert item_id not in store._holders
