@@ -187,6 +187,48 @@ def test_scores_do_not_depend_on_chunks_or_neighbours(tiny_model_dir):
             assert mx.allclose(going_on, from_scratch, atol=1e-4).item()
 
 
+def test_the_same_prompt_is_scored_once_and_each_copy_goes_on_alone(tiny_model_dir):
+    """A request's n choices (or several requests) with one prompt: the model sees it
+    once, each gets the scores it asked for and a KV cache of its own."""
+    import mlx_lm
+
+    from mlx_serve.runner.logprobs import TokenTexts
+    from mlx_serve.runner.prompt_scoring import score_prompts
+
+    model, tokenizer = mlx_lm.load(str(tiny_model_dir))
+    rows: list[int] = []
+
+    class Counting:  # the model, recording how many rows each forward pass carries
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, tokens, cache=None):
+            rows.append(tokens.shape[0])
+            return model(tokens, cache=cache)
+
+    prompt, other = tokenizer.encode(PROMPT), tokenizer.encode("The sea")
+    texts = TokenTexts(tokenizer)
+    got = score_prompts(Counting(), [prompt, other, prompt, prompt], [1, 0, 3, 0], texts,
+                        chunk_tokens=1024, max_rows=4, ranks=[False, False, False, True])
+    assert rows == [2]  # one pass, one row for each distinct prompt
+    (reference, _), = score_prompts(model, [prompt], [3], texts, chunk_tokens=1024,
+                                    max_rows=1, ranks=[True])
+    for (scores, _), k, ranked in zip([got[0], got[2], got[3]], [1, 3, 0],
+                                      [False, False, True], strict=True):
+        assert [t.logprob for t in scores.scored] == pytest.approx(
+            [t.logprob for t in reference.scored], abs=1e-4)
+        assert [len(t.top) for t in scores.scored] == [k] * len(reference.scored)
+        assert scores.ranks == (reference.ranks if ranked else ())
+    caches = [got[i][1] for i in (0, 2, 3)]
+    assert len({id(c[0].keys) for c in caches}) == 3  # no two share an array to extend
+    from_scratch = model(mx.array(prompt)[None])[0, -1]
+    model(mx.array(prompt[-1:])[None], cache=caches[0])  # one copy goes on ...
+    for cache in caches[1:]:  # ... and the others are where they were
+        assert cache[0].offset == len(prompt) - 1
+        going_on = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1]
+        assert mx.allclose(going_on, from_scratch, atol=1e-4).item()
+
+
 def test_a_request_taken_while_the_batch_was_broken_still_gets_its_scores(tiny_model_dir):
     """A request that arrives behind a failed step is replayed by the rebuild before it
     was ever admitted: its prompt is scored by the next step, as a newcomer's is."""

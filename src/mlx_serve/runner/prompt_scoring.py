@@ -56,21 +56,25 @@ def score_prompts(model: Any, prompts: Sequence[Sequence[int]], ks: Sequence[int
     """
     ranks = ranks or [False] * len(prompts)
     out: list[Scored | None] = [None] * len(prompts)
-    longer = []
+    # The same prompt (a request's n choices, or several requests) is scored once: its
+    # first index stands for every index that has it.
+    alike: dict[tuple[int, ...], list[int]] = {}
     for i, prompt in enumerate(prompts):
         if len(prompt) < 2:
             out[i] = (PromptLogprobs(texts(prompt[0])[0], ()), None)
         else:
-            longer.append(i)
-    longer.sort(key=lambda i: len(prompts[i]))  # less padding among neighbours
+            alike.setdefault(tuple(prompt), []).append(i)
+    longer = sorted(alike.values(), key=lambda same: len(prompts[same[0]]))  # less padding
     rows = max_rows if all(type(c) is KVCache for c in make_prompt_cache(model)) else 1
     for at in range(0, len(longer), rows):
         group = longer[at:at + rows]
-        k = max(ks[i] for i in group)
-        scored = _score_together(model, [prompts[i] for i in group], k, texts, chunk_tokens,
-                                 any(ranks[i] for i in group))
-        for i, (row, cache) in zip(group, scored, strict=True):
-            out[i] = (row.result(texts(prompts[i][0])[0], ks[i], ranks[i]), cache)
+        k = max(ks[i] for same in group for i in same)
+        scored = _score_together(model, [prompts[same[0]] for same in group], k, texts,
+                                 chunk_tokens, any(ranks[i] for same in group for i in same))
+        for same, (row, cache) in zip(group, scored, strict=True):
+            for n, i in enumerate(same):  # each its own cache: the batch extends it
+                out[i] = (row.result(texts(prompts[i][0])[0], ks[i], ranks[i]),
+                          cache if n == 0 else _copied(cache))
     return cast(list[Scored], out)
 
 
@@ -146,6 +150,11 @@ def _score_together(model: Any, prompts: list[Sequence[int]], k: int, texts: Tok
         return [(scored[0], cache)]
     return [(row, _row_cache(cache, i, length))
             for i, (row, length) in enumerate(zip(scored, lengths, strict=True))]
+
+
+def _copied(cache: list[Any]) -> list[Any]:
+    """Another prompt cache holding the same KV (new array objects for the same data)."""
+    return _row_cache(cache, 0, cache[0].offset)
 
 
 def _row_cache(cache: list[Any], row: int, length: int) -> list[Any]:
