@@ -250,8 +250,8 @@ class ReasoningConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: None = None
-    generate_summary: None = None
+    summary: str | None = None  # a 400 unless null (responses_api.as_chat_request)
+    generate_summary: str | None = None
 
 
 class ResponsesNamedToolChoice(BaseModel):

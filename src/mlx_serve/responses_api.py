@@ -60,6 +60,10 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if unknown:
         raise UnsupportedParameterError(f"'include' of {sorted(unknown)} is not supported "
                                         f"(only {OUTPUT_LOGPROBS!r})", param="include")
+    if body.reasoning is not None and (body.reasoning.summary or body.reasoning.generate_summary):
+        raise UnsupportedParameterError(
+            "reasoning summaries are not made by this server (the reasoning's full text comes "
+            "back as a reasoning item); leave 'reasoning.summary' out", param="reasoning.summary")
     logprobs = OUTPUT_LOGPROBS in (body.include or ())
     tools = [Tool(type="function", function=FunctionDefinition(
         name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
