@@ -310,14 +310,15 @@ def _closing_events(event: _EventWriter, builder: ResponseBuilder, where: dict[s
     if error is not None:
         final = builder.response("failed", choice, prompt_tokens, error)
         return [event("response.failed", response=final)], final
-    text = "".join(choice.content)
     status = final_status(choice)
     final = builder.response(status, choice, prompt_tokens)
-    part = _output_text(text, choice.logprobs)
+    # The events repeat the final Response's message (its logprobs built once, there).
+    message = next(item for item in final["output"] if item["type"] == "message")
+    text = "".join(choice.content)
+    part = message["content"][0] if message["content"] else _output_text(text, choice.logprobs)
     return [
         event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
         event("response.content_part.done", **where, part=part),
-        event("response.output_item.done", output_index=0, item=builder.message(
-            text, "completed" if status == "completed" else "incomplete", choice.logprobs)),
+        event("response.output_item.done", output_index=0, item=message),
         event(f"response.{status}", response=final),
     ], final

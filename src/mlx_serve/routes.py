@@ -32,7 +32,12 @@ from mlx_serve.responses_api import (
     response_events,
     whole_response,
 )
-from mlx_serve.responses_store import continued, input_items_page
+from mlx_serve.responses_store import (
+    ResponseStore,
+    StoredResponse,
+    continued,
+    input_items_page,
+)
 from mlx_serve.server_state import ServerState
 from mlx_serve.streaming import SSEResponse, collect, fail_fast, sse_events
 from mlx_serve.tokenizer_routes import TOKENIZER_ROUTES
@@ -196,31 +201,32 @@ async def responses(request: Request) -> Response:
     return JSONResponse(final)
 
 
-async def retrieve_response(request: Request) -> Response:
-    """OpenAI's ``GET /v1/responses/{id}``: a stored response."""
+def _stored(request: Request) -> tuple[ResponseStore, str, StoredResponse]:
+    """The store, the id in the path and the response stored under it (else a 404)."""
     state = server_state(request)
     _authorize(request, state)
-    kept = state.responses.get(request.path_params["response_id"])
+    response_id = request.path_params["response_id"]
+    return state.responses, response_id, state.responses.get(response_id)
+
+
+async def retrieve_response(request: Request) -> Response:
+    """OpenAI's ``GET /v1/responses/{id}``: a stored response."""
+    kept = _stored(request)[2]
     return Response(kept.response_json, media_type="application/json")  # stored as JSON
 
 
 async def list_input_items(request: Request) -> Response:
     """OpenAI's ``GET /v1/responses/{id}/input_items``: the items a stored response was
     generated from, a page at a time (a long conversation is decoded off the loop)."""
-    state = server_state(request)
-    _authorize(request, state)
-    kept = state.responses.get(request.path_params["response_id"])
+    kept = _stored(request)[2]
     return JSONResponse(await off_loop_if_long(len(kept.items_json), input_items_page, kept,
                                                request.query_params))
 
 
 async def delete_response(request: Request) -> Response:
     """OpenAI's ``DELETE /v1/responses/{id}``."""
-    state = server_state(request)
-    _authorize(request, state)
-    response_id = request.path_params["response_id"]
-    state.responses.get(response_id)  # a 404 for one that is not stored
-    state.responses.delete(response_id)
+    store, response_id, _ = _stored(request)
+    store.delete(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 

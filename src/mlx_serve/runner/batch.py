@@ -241,6 +241,8 @@ class Runner:
         scores (replayed before their first admission); those prompts are scored
         together first. A fault fails its own request only."""
         failed: list[tuple[str, Exception]] = []
+        if not admissions and not self._unscored:  # most steps: nothing to place
+            return failed
         placing, self._unscored = [live for live in self._unscored
                                    if self._live.get(live.request.request_id) is live], []
         for request in admissions:
