@@ -59,6 +59,27 @@ async def running_engine(
         mlx.stop(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def agentic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with thinking and tool-call markers (mlx-lm's json_tools parser)."""
+    return build_tiny_model(tmp_path_factory.mktemp("agentic") / "agentic", agentic=True)
+
+
+@pytest.fixture(scope="session")
+def agentic_tokenizer(agentic_dir: Path):
+    from mlx_lm import load
+
+    return load(str(agentic_dir))[1]
+
+
+@pytest.fixture(scope="session")
+def agentic_server(agentic_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("agentic-log") / "server.log"
+    with ServerProcess(agentic_dir, log) as server:
+        yield server
+
+
 @pytest.fixture
 def tiny_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServerProcess]:
     with ServerProcess(tiny_model_dir, tmp_path / "server.log") as server:

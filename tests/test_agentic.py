@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -17,7 +16,6 @@ from mlx_serve.generation import (
     SamplingParams,
 )
 from mlx_serve.replies import Choice, ReplyShape
-from mlx_serve.tiny_model import build_tiny_model
 from tests.server_process import ServerProcess
 
 TOOLS = [{"type": "function", "function": {
@@ -35,18 +33,6 @@ HISTORY = [
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
 ]
-
-
-@pytest.fixture(scope="module")
-def agentic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("agentic") / "agentic", agentic=True)
-
-
-@pytest.fixture(scope="module")
-def agentic_tokenizer(agentic_dir: Path):
-    from mlx_lm import load
-
-    return load(str(agentic_dir))[1]
 
 
 def run_script(tokenizer, text: str, *, split: bool = True, finish: str = "stop"):
@@ -83,7 +69,7 @@ def shape_for(tokenizer, chat: bool = True, **kw) -> ReplyShape:
 
 
 def scripted_deltas(tokenizer) -> list[Delta]:
-    return [Delta(p.content, 1, p.finish, 0, p.reasoning, p.tool_calls)
+    return [Delta(p.content, 1, p.finish, 0, p.reasoning, p.tool_calls, tool_text=p.tool_text)
             for p in run_script(tokenizer, SCRIPT)]
 
 
@@ -111,18 +97,16 @@ def test_streamed_tool_calls_validate_as_openai_chunks(agentic_tokenizer):
         if chunk is not None:
             chunks.append(ChatCompletionChunk.model_validate_json(chunk))
     calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
-    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
+    # Announced once with its id and name, then its arguments as the model writes them.
+    first, *rest = calls
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+    assert first.id.startswith("call_")
+    assert rest and all((c.index, c.id, c.function.name) == (0, None, None) for c in rest)
+    assert "".join(c.function.arguments for c in calls) == '{"city": "Paris"}'
     reasoning = "".join(ch.choices[0].delta.model_extra.get("reasoning_content", "")
                         for ch in chunks)
     assert reasoning == "Let me check."
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-
-
-@pytest.fixture(scope="module")
-def agentic_server(agentic_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("agentic-log") / "server.log"
-    with ServerProcess(agentic_dir, log) as server:
-        yield server
 
 
 def chat(server: ServerProcess, **body) -> httpx.Response:
@@ -233,12 +217,14 @@ def test_a_forced_function_call_comes_back_as_a_function_call_item(agentic_serve
     (call,) = [item for item in response.output if item.type == "function_call"]
     assert (call.name, call.arguments) == ("get_weather", chat_call["function"]["arguments"])
     assert call.call_id == call.id.removeprefix("fc_")
-    kinds = [e.type for e in events if e.type != "response.output_text.delta"]
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    kinds = [e.type for e in events if e.type not in (
+        "response.output_text.delta", "response.function_call_arguments.delta")]
     assert kinds == [
         "response.created", "response.in_progress", "response.output_item.added",
         "response.content_part.added",
-        # the call, whole, once parsed: item 1
-        "response.output_item.added", "response.function_call_arguments.delta",
+        # the call, item 1: opened once its name is written, its arguments as they come
+        "response.output_item.added",
         "response.function_call_arguments.done", "response.output_item.done",
         # the message, item 0, then the response
         "response.output_text.done", "response.content_part.done",
@@ -246,6 +232,7 @@ def test_a_forced_function_call_comes_back_as_a_function_call_item(agentic_serve
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert (done.name, done.arguments, done.output_index) == (
         "get_weather", chat_call["function"]["arguments"], 1)  # the message is item 0
+    assert len(pieces) > 1 and "".join(pieces) == done.arguments
     final = events[-1].response
     assert final.status == "completed"
     assert [(o.type, getattr(o, "name", None)) for o in final.output] == [

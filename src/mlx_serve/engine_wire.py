@@ -70,7 +70,7 @@ async def read_message(reader: asyncio.StreamReader) -> tuple[Any, ...] | None:
 def pack_event(event: ReplyEvent) -> Any:
     """A plain ``(text, token_count, finish, index)`` for a delta with nothing else."""
     if (isinstance(event, Delta) and not event.reasoning and not event.tool_calls
-            and not event.logprobs and not event.cached_tokens
+            and not event.tool_text and not event.logprobs and not event.cached_tokens
             and event.prompt_logprobs is None):
         finish = None if event.finish_reason is None else event.finish_reason.value
         return (event.text, event.token_count, finish, event.index)

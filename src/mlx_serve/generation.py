@@ -109,6 +109,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     cached_tokens: int = 0  # on the last delta: prompt tokens reused from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when asked for
+    tool_text: str = ""  # new raw text of a tool call still open after this step
 
 
 @dataclass(frozen=True, slots=True)

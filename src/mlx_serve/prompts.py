@@ -9,6 +9,7 @@ from typing import Any
 from mlx_serve.errors import RequestError, UnsupportedParameterError
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.protocol import CHAT_TEMPLATE_KWARGS, ChatCompletionRequest, ChatMessage
+from mlx_serve.tool_calls import is_json_tool_parser
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def forced_call_schema(body: ChatCompletionRequest, tokenizer: Any) -> dict | No
                                param="tool_choice")
         return None
     parser = getattr(tokenizer, "tool_parser", None)
-    if not getattr(parser, "__module__", "").endswith("json_tools"):
+    if not is_json_tool_parser(parser):
         raise UnsupportedParameterError(
             "forcing a tool call is supported for models with JSON tool calls only",
             param="tool_choice")

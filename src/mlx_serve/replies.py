@@ -6,35 +6,13 @@ This is the per-token hot path of streaming: no pydantic validation of our own o
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_serve.generation import Delta, PromptLogprobs, TokenLogprob
-
-log = logging.getLogger(__name__)
-
-
-def parse_tool_calls(parser: Any, tools: list[dict] | None, texts: tuple[str, ...]
-                     ) -> list[dict]:
-    """Raw tool-call spans -> OpenAI tool calls, using the model family's mlx-lm parser."""
-    calls = []
-    for text in texts:
-        try:
-            parsed = parser(text, tools)
-        except (ValueError, KeyError, TypeError) as exc:  # e.g. cut off by max_tokens
-            log.warning("could not parse a tool call (%s): %.200r", exc, text)
-            continue
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            arguments = call.get("arguments", {})
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            calls.append({"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-                          "type": "function",
-                          "function": {"name": call["name"], "arguments": arguments}})
-    return calls
+from mlx_serve.tool_calls import CallUpdate, ToolCallStream
 
 
 def vllm_prompt_logprobs(scores: PromptLogprobs) -> list[dict[str, dict] | None]:
@@ -74,6 +52,7 @@ class Choice:
     cached_tokens: int = 0
     finish: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # echo with logprobs: the prompt's own
+    call_stream: ToolCallStream | None = None  # made at the choice's first tool-call text
 
 
 @dataclass
@@ -98,8 +77,8 @@ class ReplyShape:
 
     # -- shared pieces -----------------------------------------------------------------
 
-    def absorb(self, choice: Choice, delta: Delta) -> list[dict]:
-        """Record a delta in ``choice``; return the tool calls it completed."""
+    def absorb(self, choice: Choice, delta: Delta) -> list[CallUpdate]:
+        """Record a delta in ``choice``; return what it changed in its tool calls."""
         choice.tokens += delta.token_count
         if delta.prompt_logprobs is not None:
             choice.prompt_logprobs = delta.prompt_logprobs
@@ -108,9 +87,12 @@ class ReplyShape:
         choice.content.append(delta.text)
         if delta.reasoning:
             choice.reasoning.append(delta.reasoning)
-        calls = parse_tool_calls(self.tool_parser, self.tools, delta.tool_calls) \
-            if delta.tool_calls and self.tool_parser is not None else []
-        choice.tool_calls += calls
+        calls: list[CallUpdate] = []
+        if (delta.tool_calls or delta.tool_text) and self.tool_parser is not None:
+            if choice.call_stream is None:
+                choice.call_stream = ToolCallStream(self.tool_parser, self.tools)
+            calls = choice.call_stream.update(choice.tool_calls, delta.tool_calls,
+                                              delta.tool_text)
         for t in delta.logprobs:
             choice.offsets.append(choice.text_length)
             choice.text_length += len(t.token)
@@ -213,9 +195,10 @@ class ReplyShape:
                 json.dumps(self._envelope([item])).split(json.dumps(marker)))
         return json.dumps(text).join(frame)
 
-    def delta_chunk(self, choice: Choice, delta: Delta, calls: list[dict]) -> str | None:
+    def delta_chunk(self, choice: Choice, delta: Delta, updates: list[CallUpdate]
+                    ) -> str | None:
         """The JSON of the chunk for one delta (None when it carries nothing to send)."""
-        if (delta.text and choice.finish is None and not calls and not delta.reasoning
+        if (delta.text and choice.finish is None and not updates and not delta.reasoning
                 and not delta.logprobs and not self.continuous_usage):
             return self.text_chunk(choice.index, delta.text)
         logprobs = self._logprobs_object(list(delta.logprobs),
@@ -228,9 +211,10 @@ class ReplyShape:
                 body["content"] = delta.text
             if delta.reasoning:
                 body.update(self._reasoning_fields(delta.reasoning))
+            calls = [_call_delta(choice.tool_calls, u) for u in updates
+                     if u.opened or u.arguments]
             if calls:
-                first = len(choice.tool_calls) - len(calls)
-                body["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(calls)]
+                body["tool_calls"] = calls
             if not body and finish is None and not delta.logprobs:
                 return None
             item = {"index": choice.index, "delta": body, "logprobs": logprobs,
@@ -276,3 +260,13 @@ class ReplyShape:
         if self.chat and self.prompt_logprobs is not None and scored:
             body["prompt_logprobs"] = vllm_prompt_logprobs(scored[0])  # one prompt: vLLM's place
         return body
+
+
+def _call_delta(calls: list[dict], update: CallUpdate) -> dict:
+    """A chat chunk's ``tool_calls`` item: a call's id and name with its first arguments,
+    then only its arguments, as OpenAI streams them."""
+    if not update.opened:
+        return {"index": update.position, "function": {"arguments": update.arguments}}
+    call = calls[update.position]
+    return {"index": update.position, "id": call["id"], "type": "function",
+            "function": {"name": call["function"]["name"], "arguments": update.arguments}}

@@ -44,6 +44,7 @@ from mlx_serve.protocol import (
 from mlx_serve.replies import Choice, ReplyShape, chat_logprob
 from mlx_serve.request_building import check_extra_fields
 from mlx_serve.streaming import pings_until_output, tell_tracker
+from mlx_serve.tool_calls import CallUpdate
 
 # The one ``include`` served: each output text's token log-probabilities (with
 # ``top_logprobs`` alternatives), as chat's logprobs give them.
@@ -275,32 +276,40 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
 
 def _delta_events(event: _EventWriter, where: dict[str, Any], shape: ReplyShape,
                   choice: Choice, delta: Delta, pending: list[dict[str, Any]]) -> list[bytes]:
-    """One delta's events: its text, and the function calls it completed. A token that
+    """One delta's events: its text, and what it added to function calls. A token that
     completes no character yet (part of a UTF-8 sequence) has no text of its own: its
     log-probability waits in ``pending`` and goes with the next text."""
     frames = []
-    calls = shape.absorb(choice, delta)
+    updates = shape.absorb(choice, delta)
     pending += [chat_logprob(t) for t in delta.logprobs]
     if delta.text:
         frames.append(event("response.output_text.delta", **where, delta=delta.text,
                             logprobs=list(pending)))
         pending.clear()
-    first = len(choice.tool_calls) - len(calls) + 1  # the message is item 0
-    for index, call in enumerate(calls, first):
-        frames += _call_events(event, index, function_call_item(call))
+    for update in updates:
+        frames += _call_events(event, update, choice.tool_calls[update.position])
     return frames
 
 
-def _call_events(event: _EventWriter, index: int, item: dict[str, Any]) -> list[bytes]:
-    """One function call, whole: the model's calls are parsed once they are complete."""
+def _call_events(event: _EventWriter, update: CallUpdate, call: dict[str, Any]
+                 ) -> list[bytes]:
+    """A function call's events: the item when it opens, its arguments as they are
+    written, and the whole call when it is done. The message is item 0."""
+    item = function_call_item(call)
+    index = update.position + 1
     where = {"item_id": item["id"], "output_index": index}
-    return [event("response.output_item.added", output_index=index,
-                  item={**item, "arguments": "", "status": "in_progress"}),
-            event("response.function_call_arguments.delta", **where,
-                  delta=item["arguments"]),
-            event("response.function_call_arguments.done", **where, name=item["name"],
-                  arguments=item["arguments"]),
-            event("response.output_item.done", output_index=index, item=item)]
+    frames = []
+    if update.opened:
+        frames.append(event("response.output_item.added", output_index=index,
+                            item={**item, "arguments": "", "status": "in_progress"}))
+    if update.arguments:
+        frames.append(event("response.function_call_arguments.delta", **where,
+                            delta=update.arguments))
+    if update.done:
+        frames += [event("response.function_call_arguments.done", **where, name=item["name"],
+                         arguments=item["arguments"]),
+                   event("response.output_item.done", output_index=index, item=item)]
+    return frames
 
 
 def _closing_events(event: _EventWriter, builder: ResponseBuilder, where: dict[str, Any],

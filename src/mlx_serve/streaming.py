@@ -140,7 +140,7 @@ def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
     for event in events:
         at = open_at.pop(event.index, None)
         plain = (isinstance(event, Delta) and not event.reasoning and not event.tool_calls
-                 and not event.logprobs and event.prompt_logprobs is None)
+                 and not event.tool_text and not event.logprobs and event.prompt_logprobs is None)
         if plain and at is not None:
             last = merged[at]
             assert isinstance(last, Delta) and isinstance(event, Delta)

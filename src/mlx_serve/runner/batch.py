@@ -380,7 +380,7 @@ class Runner:
                 self.prefix_cache.store(list(response.all_tokens), response.prompt_cache)
             self._remove([request.request_id], keep_cache=response.finish_reason is None)
         delta = Delta(piece.content, 1, piece.finish, request.index, piece.reasoning,
-                      piece.tool_calls, logprobs, cached)
+                      piece.tool_calls, logprobs, cached, tool_text=piece.tool_text)
         if live.prompt_logprobs is not None:  # only ever on the request's first delta
             delta.prompt_logprobs, live.prompt_logprobs = live.prompt_logprobs, None
         return delta

@@ -20,8 +20,9 @@ class TextPiece(NamedTuple):
 
     content: str
     reasoning: str
-    tool_calls: tuple[str, ...]
+    tool_calls: tuple[str, ...]  # the raw text of each tool call completed here
     finish: FinishReason | None
+    tool_text: str = ""  # new raw text of the tool call still open after this token
 
 
 class TextPipeline:
@@ -80,6 +81,7 @@ class TextPipeline:
             state, _ = TextStateMachine.discard(state)  # a half-seen marker is not text
         self._state = state
         content, reasoning, calls = [], [], []
+        reported = len(self._tool_text)  # of the open call, what earlier tokens reported
         for name, piece in segments:
             if name == "reasoning":
                 reasoning.append(piece)
@@ -88,13 +90,14 @@ class TextPipeline:
             else:
                 if self._prev == "tool":
                     calls.append(self._tool_text)
-                    self._tool_text = ""
+                    self._tool_text, reported = "", 0
                 content.append(piece)
             self._prev = name
         if finish is not None and self._prev == "tool" and self._tool_text:
             calls.append(self._tool_text)  # cut off mid-call: the parser decides
-            self._tool_text = ""
-        return TextPiece("".join(content), "".join(reasoning), tuple(calls), finish)
+            self._tool_text, reported = "", 0
+        return TextPiece("".join(content), "".join(reasoning), tuple(calls), finish,
+                         self._tool_text[reported:])
 
 
 def _keep_leading_space(detokenizer: Any) -> None:

@@ -1,0 +1,180 @@
+"""Tool calls streamed as they are written: the call's id and name first, then its
+arguments piece by piece, and the same call in a whole reply."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+from mlx_lm.tool_parsers import json_tools, qwen3_coder
+
+from mlx_serve.tool_calls import CallUpdate, ToolCallStream
+from tests.test_agentic import BOUNDED_TOOLS, chat, sdk
+
+
+def stream_call(text: str, cuts: list[int], parser=json_tools.parse_tool_call
+                ) -> tuple[list[dict], list[CallUpdate]]:
+    """Feed one call's text as the runner reports it: open pieces ending at ``cuts``,
+    then the whole span when the call completes."""
+    stream, calls, updates = ToolCallStream(parser, None), [], []
+    at = 0
+    for cut in cuts:
+        updates += stream.update(calls, (), text[at:cut])
+        at = cut
+    updates += stream.update(calls, (text,), "")
+    return calls, updates
+
+
+def random_value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(6 if depth < 3 else 3)
+    if kind == 0:
+        return "".join(rng.choice('ab }{][",:\\\n\u00e9') for _ in range(rng.randrange(8)))
+    if kind == 1:
+        return rng.choice([0, -1.5, 12, True, False, None])
+    if kind == 2:
+        return rng.randrange(1000)
+    if kind == 3:
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {f"k{i}": random_value(rng, depth + 1) for i in range(rng.randrange(4))}
+
+
+def test_arguments_stream_exactly_as_written_whatever_their_content_and_cuts():
+    rng = random.Random(7)
+    for _ in range(300):
+        arguments = {f"p{i}": random_value(rng) for i in range(rng.randrange(4))}
+        raw = json.dumps(arguments, indent=rng.choice([None, 2]),
+                         ensure_ascii=rng.random() < 0.5)
+        text = (rng.choice(["", "\n", " "]) + '{"name": "tool_1", "arguments": ' + raw
+                + rng.choice(["}", " }\n", ', "id": "x"}']))
+        cuts = sorted(rng.sample(range(len(text)), min(len(text), rng.randrange(1, 12))))
+        calls, updates = stream_call(text, cuts)
+        (call,) = calls
+        assert call["function"] == {"name": "tool_1", "arguments": raw}
+        assert "".join(u.arguments for u in updates) == raw
+        assert [u.opened for u in updates].count(True) == 1 and updates[0].opened
+        assert updates[-1].done and not any(u.done for u in updates[:-1])
+        assert json.loads(call["function"]["arguments"]) == arguments
+
+
+def test_a_call_is_announced_once_its_name_is_written():
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    stream, calls = ToolCallStream(json_tools.parse_tool_call, None), []
+    assert stream.update(calls, (), '{"name": "get_wea') == [] and calls == []
+    assert stream.update(calls, (), 'ther", "arguments": ') == []  # no value yet
+    (opened,) = stream.update(calls, (), '{"ci')
+    assert (opened.position, opened.opened, opened.arguments, opened.done) == (
+        0, True, '{"ci', False)
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    (rest,) = stream.update(calls, (text,), "")
+    assert (rest.opened, rest.arguments, rest.done) == (False, 'ty": "Paris"}', True)
+
+
+def test_calls_in_a_row_each_get_their_own_position_and_id():
+    stream, calls = ToolCallStream(json_tools.parse_tool_call, None), []
+    one = '{"name": "a", "arguments": {"x": 1}}'
+    two = '{"name": "b", "arguments": {"y": [2]}}'
+    updates = stream.update(calls, (), one[:20])
+    updates += stream.update(calls, (one,), two[:31])  # one ends, two begins in a step
+    updates += stream.update(calls, (two,), "")
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert calls[0]["id"] != calls[1]["id"]
+    assert [(u.position, u.opened, u.done) for u in updates] == [
+        (0, True, True), (1, True, False), (1, False, True)]
+    assert [c["function"]["arguments"] for c in calls] == ['{"x": 1}', '{"y": [2]}']
+
+
+@pytest.mark.parametrize("text", [
+    '{"arguments": {"city": "Paris"}, "name": "get_weather"}',  # arguments first
+    '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',  # a list of calls
+])
+def test_calls_in_another_shape_go_out_whole_once_complete(text):
+    calls, updates = stream_call(text, list(range(1, len(text))))
+    (update,) = updates
+    assert (update.opened, update.done) == (True, True)
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert update.arguments == calls[0]["function"]["arguments"]
+
+
+def test_arguments_written_as_a_string_are_that_string():
+    text = '{"name": "f", "arguments": "{\\"a\\": 1}"}'
+    calls, updates = stream_call(text, [10, 30])
+    assert calls[0]["function"]["arguments"] == '{"a": 1}' and len(updates) == 1
+
+
+def test_a_call_cut_off_keeps_the_arguments_written_so_far(caplog):
+    text = '{"name": "write_file", "arguments": {"path": "a.txt", "body": "hal'
+    with caplog.at_level(logging.WARNING, logger="mlx_serve.tool_calls"):
+        calls, updates = stream_call(text, [40, 50])
+    assert calls[0]["function"]["arguments"] == '{"path": "a.txt", "body": "hal'
+    assert "".join(u.arguments for u in updates) == calls[0]["function"]["arguments"]
+    assert "not valid JSON" in caplog.text
+
+
+def test_formats_other_than_json_are_parsed_whole_at_their_end():
+    text = ("<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    stream, calls = ToolCallStream(qwen3_coder.parse_tool_call, tools), []
+    assert stream.update(calls, (), text[:30]) == []
+    (update,) = stream.update(calls, (text,), "")
+    assert (update.opened, update.done) == (True, True)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+# -- through the server --------------------------------------------------------------------
+
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def streamed_forced_call(server, **body) -> tuple[list, str | None]:
+    with sdk(server) as client:
+        chunks = list(client.chat.completions.create(
+            model="agentic", messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=BOUNDED_TOOLS, tool_choice=FORCED, temperature=1.0, seed=3, stream=True,
+            **body))
+    deltas = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+    return deltas, chunks[-1].choices[0].finish_reason
+
+
+def test_a_streamed_call_is_the_whole_replys_call_written_piece_by_piece(agentic_server):
+    whole = chat(agentic_server, tools=BOUNDED_TOOLS, tool_choice=FORCED, max_tokens=80,
+                 temperature=1.0, seed=3, messages=[
+                     {"role": "user", "content": "Weather in Paris?"}]).json()["choices"][0]
+    (call,) = whole["message"]["tool_calls"]
+    deltas, finish = streamed_forced_call(agentic_server, max_tokens=80)
+    assert finish == whole["finish_reason"] == "tool_calls"
+    first, *rest = deltas
+    assert (first.function.name, first.type) == ("get_weather", "function")
+    assert len(rest) > 2 and all(d.id is None and d.function.name is None for d in rest)
+    assert "".join(d.function.arguments for d in deltas) == call["function"]["arguments"]
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}
+
+
+def test_the_sdks_stream_helper_rebuilds_the_call(agentic_server):
+    with sdk(agentic_server) as client, client.chat.completions.stream(
+            model="agentic", messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=BOUNDED_TOOLS, tool_choice=FORCED, temperature=1.0, seed=3,
+            max_tokens=80) as stream:
+        pieces = [e.arguments_delta for e in stream
+                  if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert len(pieces) > 2 and "".join(pieces) == call.function.arguments
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+
+
+def test_a_call_cut_off_by_max_tokens_comes_back_as_far_as_it_was_written(agentic_server):
+    # The whole call takes 44 tokens here; 36 end it inside its arguments.
+    whole = chat(agentic_server, tools=BOUNDED_TOOLS, tool_choice=FORCED, max_tokens=36,
+                 temperature=1.0, seed=3, messages=[
+                     {"role": "user", "content": "Weather in Paris?"}]).json()["choices"][0]
+    deltas, finish = streamed_forced_call(agentic_server, max_tokens=36)
+    assert finish == whole["finish_reason"] == "length"
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert "".join(d.function.arguments for d in deltas) == call["function"]["arguments"]
+    assert call["function"]["arguments"].startswith('{"city"')
+    with pytest.raises(ValueError):
+        json.loads(call["function"]["arguments"])
