@@ -200,12 +200,19 @@ async def test_every_request_ends_once_whatever_fails(launch, reference, model_n
     assert scrapes and set(scrapes) == {200}
 
     async with http_client(server) as client:
+        seen: list[dict[str, Any]] = []
+
         async def settled() -> dict[str, Any] | None:
             _, body = await health(client)
+            seen[:] = [body]
             idle = body["running"] == 0 and body["waiting"] == 0
             return body if idle and body["state"] == "ready" else None
 
-        body = await wait_until(settled, 30, "the server to end idle and ready")
+        with anyio.fail_after(35):
+            try:
+                body = await wait_until(settled, 30, "the server to end idle and ready")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; /health said {seen}") from None
         assert body["recoveries"] > 0  # steps did fail, and were recovered from
         counted = metric_totals((await client.get("/metrics")).text)
         for site in SITES:
