@@ -123,6 +123,9 @@ def test_thinking_models_return_reasoning_separately(agentic_server):
     assert "reasoning" not in plain["choices"][0]["message"]
     assert plain["choices"][0]["message"]["content"]
     assert plain["usage"]["prompt_tokens"] < thinking["usage"]["prompt_tokens"]
+    # Tokens that wrote only reasoning count as reasoning tokens, as OpenAI reports them.
+    assert 0 < thinking["usage"]["completion_tokens_details"]["reasoning_tokens"] <= 6
+    assert plain["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
 
 
 def test_tools_and_tool_results_go_through_the_template(agentic_server):

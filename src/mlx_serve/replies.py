@@ -49,6 +49,7 @@ class Choice:
     offsets: list[int] = field(default_factory=list)
     text_length: int = 0
     tokens: int = 0
+    reasoning_tokens: int = 0  # of ``tokens``, those that wrote only reasoning
     cached_tokens: int = 0
     finish: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # echo with logprobs: the prompt's own
@@ -87,6 +88,8 @@ class ReplyShape:
         choice.content.append(delta.text)
         if delta.reasoning:
             choice.reasoning.append(delta.reasoning)
+            if not delta.text:  # a step that also wrote the answer counts as the answer's
+                choice.reasoning_tokens += delta.token_count
         calls: list[CallUpdate] = []
         if (delta.tool_calls or delta.tool_text) and self.tool_parser is not None:
             if choice.call_stream is None:
@@ -143,9 +146,13 @@ class ReplyShape:
         completion_tokens = sum(c.tokens for c in choices)
         # Choices of one prompt share its prefill; report the best reuse among them.
         cached = max((c.cached_tokens for c in choices), default=0)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": self.prompt_tokens + completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.chat:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(c.reasoning_tokens for c in choices)}
+        return usage
 
     def _object(self, chunk: bool) -> str:
         if self.chat:

@@ -13,16 +13,13 @@ a 400.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from mlx_serve.engine import RequestHandle
 from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
-from mlx_serve.generation import Delta, Failure, TokenLogprob
-from mlx_serve.metrics import RequestTracker
+from mlx_serve.generation import TokenLogprob
 from mlx_serve.protocol import (
     RESPONSES_NO_EFFECT,
     RESPONSES_UNSUPPORTED,
@@ -41,10 +38,8 @@ from mlx_serve.protocol import (
     Tool,
     ToolCall,
 )
-from mlx_serve.replies import Choice, ReplyShape, chat_logprob
+from mlx_serve.replies import Choice, chat_logprob
 from mlx_serve.request_building import check_extra_fields
-from mlx_serve.streaming import pings_until_output, tell_tracker
-from mlx_serve.tool_calls import CallUpdate
 
 # The one ``include`` served: each output text's token log-probabilities (with
 # ``top_logprobs`` alternatives), as chat's logprobs give them.
@@ -148,13 +143,19 @@ class ResponseBuilder:
         self.model = model
         self.id = request_id
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"  # one id in the stream and the result
         self.created = int(time.time())
 
     def message(self, text: str, status: str, logprobs: Sequence[TokenLogprob] = ()
                 ) -> dict[str, Any]:
         return {"id": self.message_id, "type": "message", "status": status,
                 "role": "assistant",
-                "content": [_output_text(text, logprobs)] if text else []}
+                "content": [output_text(text, logprobs)] if text else []}
+
+    def reasoning(self, text: str, status: str) -> dict[str, Any]:
+        return {"id": self.reasoning_id, "type": "reasoning", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}] if text else [],
+                "status": status}
 
     def response(self, status: str, choice: Choice | None = None, prompt_tokens: int = 0,
                  error: MLXServeError | None = None) -> dict[str, Any]:
@@ -163,10 +164,7 @@ class ResponseBuilder:
         incomplete = None
         if choice is not None:
             if choice.reasoning:
-                output.append({"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning",
-                               "summary": [], "content": [
-                                   {"type": "reasoning_text",
-                                    "text": "".join(choice.reasoning)}]})
+                output.append(self.reasoning("".join(choice.reasoning), "completed"))
             text = "".join(choice.content)
             output.append(self.message(text, "completed" if status == "completed"
                                        else "incomplete", choice.logprobs))
@@ -198,16 +196,18 @@ def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
             "status": "completed"}
 
 
-def _output_text(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+def output_text(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [],
             "logprobs": [chat_logprob(t) for t in logprobs]}
 
 
 def _usage(choice: Choice, prompt_tokens: int) -> dict[str, Any]:
     return {"input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": choice.cached_tokens},
+            # No cache write is reported apart: finished requests' KV is kept as it is.
+            "input_tokens_details": {"cached_tokens": choice.cached_tokens,
+                                     "cache_write_tokens": 0},
             "output_tokens": choice.tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": choice.reasoning_tokens},
             "total_tokens": prompt_tokens + choice.tokens}
 
 
@@ -218,116 +218,3 @@ def final_status(choice: Choice) -> str:
 def whole_response(builder: ResponseBuilder, choice: Choice, prompt_tokens: int) -> dict:
     """A non-streamed Response from its collected choice."""
     return builder.response(final_status(choice), choice, prompt_tokens)
-
-
-class _EventWriter:
-    """SSE frames of Responses events, numbered in order."""
-
-    def __init__(self) -> None:
-        self.sequence = 0
-
-    def __call__(self, kind: str, **fields: Any) -> bytes:
-        data = json.dumps({"type": kind, "sequence_number": self.sequence, **fields})
-        self.sequence += 1
-        return f"event: {kind}\ndata: {data}\n\n".encode()
-
-
-async def response_events(handle: RequestHandle, shape: ReplyShape, builder: ResponseBuilder,
-                          ping_seconds: float, tracker: RequestTracker | None = None,
-                          on_end: Callable[[dict[str, Any]], None] | None = None
-                          ) -> AsyncIterator[bytes]:
-    """The Responses stream: created, in progress, the message's text deltas, then
-    completed (incomplete at max_output_tokens, failed on an error). ``on_end`` gets the
-    final Response of a stream that completed or ended incomplete."""
-    event = _EventWriter()
-    where = {"item_id": builder.message_id, "output_index": 0, "content_index": 0}
-    choice = Choice(0)
-    error: MLXServeError | None = None
-    pending: list[dict[str, Any]] = []  # log-probabilities not sent with a text delta yet
-    async with handle:  # first: a client gone at any yield below closes the request
-        try:
-            yield event("response.created", response=builder.response("in_progress"))
-            yield event("response.in_progress", response=builder.response("in_progress"))
-            async for ping in pings_until_output(handle, ping_seconds):
-                yield ping
-            if tracker is not None:
-                tracker.first_output()
-            yield event("response.output_item.added", output_index=0,
-                        item=builder.message("", "in_progress"))
-            yield event("response.content_part.added", **where, part=_output_text(""))
-            async for item in handle:
-                if isinstance(item, Failure):
-                    error = item.error
-                    break
-                for frame in _delta_events(event, where, shape, choice, item, pending):
-                    yield frame
-        except MLXServeError as exc:
-            error = exc
-        except Exception as exc:  # a fault in our own send path still ends the stream cleanly
-            error = MLXServeError(f"streaming failed: {type(exc).__name__}")
-        finally:
-            tell_tracker(tracker, [choice], error)
-    frames, final = _closing_events(event, builder, where, choice, shape.prompt_tokens, error)
-    if on_end is not None and error is None:
-        on_end(final)
-    for frame in frames:
-        yield frame
-
-
-def _delta_events(event: _EventWriter, where: dict[str, Any], shape: ReplyShape,
-                  choice: Choice, delta: Delta, pending: list[dict[str, Any]]) -> list[bytes]:
-    """One delta's events: its text, and what it added to function calls. A token that
-    completes no character yet (part of a UTF-8 sequence) has no text of its own: its
-    log-probability waits in ``pending`` and goes with the next text."""
-    frames = []
-    updates = shape.absorb(choice, delta)
-    pending += [chat_logprob(t) for t in delta.logprobs]
-    if delta.text:
-        frames.append(event("response.output_text.delta", **where, delta=delta.text,
-                            logprobs=list(pending)))
-        pending.clear()
-    for update in updates:
-        frames += _call_events(event, update, choice.tool_calls[update.position])
-    return frames
-
-
-def _call_events(event: _EventWriter, update: CallUpdate, call: dict[str, Any]
-                 ) -> list[bytes]:
-    """A function call's events: the item when it opens, its arguments as they are
-    written, and the whole call when it is done. The message is item 0."""
-    item = function_call_item(call)
-    index = update.position + 1
-    where = {"item_id": item["id"], "output_index": index}
-    frames = []
-    if update.opened:
-        frames.append(event("response.output_item.added", output_index=index,
-                            item={**item, "arguments": "", "status": "in_progress"}))
-    if update.arguments:
-        frames.append(event("response.function_call_arguments.delta", **where,
-                            delta=update.arguments))
-    if update.done:
-        frames += [event("response.function_call_arguments.done", **where, name=item["name"],
-                         arguments=item["arguments"]),
-                   event("response.output_item.done", output_index=index, item=item)]
-    return frames
-
-
-def _closing_events(event: _EventWriter, builder: ResponseBuilder, where: dict[str, Any],
-                    choice: Choice, prompt_tokens: int, error: MLXServeError | None
-                    ) -> tuple[list[bytes], dict[str, Any]]:
-    """The stream's last events, and the final Response they carry."""
-    if error is not None:
-        final = builder.response("failed", choice, prompt_tokens, error)
-        return [event("response.failed", response=final)], final
-    status = final_status(choice)
-    final = builder.response(status, choice, prompt_tokens)
-    # The events repeat the final Response's message (its logprobs built once, there).
-    message = next(item for item in final["output"] if item["type"] == "message")
-    text = "".join(choice.content)
-    part = message["content"][0] if message["content"] else _output_text(text, choice.logprobs)
-    return [
-        event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
-        event("response.content_part.done", **where, part=part),
-        event("response.output_item.done", output_index=0, item=message),
-        event(f"response.{status}", response=final),
-    ], final

@@ -26,18 +26,14 @@ from mlx_serve.request_building import (
     build_completion_request,
     off_loop_if_long,
 )
-from mlx_serve.responses_api import (
-    ResponseBuilder,
-    as_chat_request,
-    response_events,
-    whole_response,
-)
+from mlx_serve.responses_api import ResponseBuilder, as_chat_request, whole_response
 from mlx_serve.responses_store import (
     ResponseStore,
     StoredResponse,
     continued,
     input_items_page,
 )
+from mlx_serve.responses_stream import response_events
 from mlx_serve.server_state import ServerState
 from mlx_serve.streaming import SSEResponse, collect, fail_fast, sse_events
 from mlx_serve.tokenizer_routes import TOKENIZER_ROUTES

@@ -1,0 +1,82 @@
+"""The Responses stream item by item: reasoning, then the message, then function calls,
+with the ids and output indexes of the final Response."""
+
+from __future__ import annotations
+
+import json
+
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from mlx_serve.protocol import ResponsesRequest
+from mlx_serve.responses_api import ResponseBuilder
+from mlx_serve.responses_stream import _OutputItems
+from tests.test_agentic import scripted_deltas, sdk, shape_for
+
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+def sdk_events(frames: list[bytes]) -> list:
+    """Each SSE frame's data as the SDK's typed event (a wrong field fails validation)."""
+    return [EVENTS.validate_json(block.split("data: ", 1)[1])
+            for block in b"".join(frames).decode().split("\n\n") if block]
+
+
+def test_reasoning_message_and_call_stream_in_the_order_of_the_final_response(
+        agentic_tokenizer):
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", "resp_1")
+    items = _OutputItems(builder, shape_for(agentic_tokenizer))
+    frames = [f for delta in scripted_deltas(agentic_tokenizer) for f in items.delta(delta)]
+    closing, final = items.closing(None)
+    events = sdk_events(frames + closing)
+
+    kinds: list[str] = []
+    for e in events:  # runs of deltas as one entry
+        if not (e.type.endswith(".delta") and kinds and kinds[-1] == e.type):
+            kinds.append(e.type)
+    assert kinds == [
+        "response.output_item.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+
+    output = final["output"]
+    assert [o["type"] for o in output] == ["reasoning", "message", "function_call"]
+    added = [e for e in events if e.type == "response.output_item.added"]
+    done = [e for e in events if e.type == "response.output_item.done"]
+    for stream_items in (added, done):  # the final Response's ids at its indexes
+        assert sorted((e.output_index, e.item.id) for e in stream_items) == [
+            (i, o["id"]) for i, o in enumerate(output)]
+    assert all(e.output_index == 0 for e in events if "reasoning_text" in e.type)
+
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == "Let me check." == output[0]["content"][0]["text"]
+    assert next(e.item for e in done if e.output_index == 0).content[0].text == reasoning
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "Sure. " == output[1]["content"][0]["text"]
+    arguments = "".join(e.delta for e in events
+                        if e.type == "response.function_call_arguments.delta")
+    assert json.loads(arguments) == {"city": "Paris"} and output[2]["arguments"] == arguments
+
+
+def test_the_sdks_stream_helper_rebuilds_a_thinking_models_response(agentic_server):
+    with sdk(agentic_server) as client, client.responses.stream(
+            model="agentic", input="What is the weather?", max_output_tokens=12,
+            temperature=0) as stream:
+        events = list(stream)  # the helper checks each event against what came before
+    final = events[-1].response  # at max_output_tokens: response.incomplete
+    assert final.status == "incomplete" and final.usage.output_tokens == 12
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning  # the template opens the thinking span: the reply starts there
+    first = final.output[0]
+    assert first.type == "reasoning" and first.content[0].text == reasoning
+    opened = next(e for e in events if e.type == "response.output_item.added")
+    assert (opened.output_index, opened.item.id) == (0, first.id)
+    message = next(o for o in final.output if o.type == "message")
+    assert final.output.index(message) == 1
+    assert [e.output_index for e in events if e.type == "response.content_part.added"] == [1]
+    assert 0 < final.usage.output_tokens_details.reasoning_tokens <= 12
