@@ -7,10 +7,12 @@ import json
 import logging
 import random
 
+import httpx
 import pytest
 from mlx_lm.tool_parsers import json_tools, qwen3_coder
 
 from mlx_serve.tool_calls import CallUpdate, ToolCallStream
+from tests.server_process import ServerProcess
 from tests.test_agentic import BOUNDED_TOOLS, chat, sdk
 
 
@@ -178,3 +180,37 @@ def test_a_call_cut_off_by_max_tokens_comes_back_as_far_as_it_was_written(agenti
     assert call["function"]["arguments"].startswith('{"city"')
     with pytest.raises(ValueError):
         json.loads(call["function"]["arguments"])
+
+
+@pytest.fixture(scope="module")
+def slow_agentic_server(agentic_dir, tmp_path_factory: pytest.TempPathFactory):
+    """Steps of at least 110 ms for user "slow", pings after 100 ms of quiet."""
+    log = tmp_path_factory.mktemp("slow-agentic") / "server.log"
+    with ServerProcess(agentic_dir, log, env={
+            "MLX_SERVE_FAILPOINTS": "engine.step[user=slow]=sleep(110)"},
+            args=["--sse-ping-seconds", "0.1"]) as server:
+        yield server
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_a_stream_quiet_while_a_call_begins_is_kept_alive(slow_agentic_server, path):
+    # A forced call's first tokens write its head, '{"name": ...', which sends nothing
+    # until the name is complete: steps that add nothing to send.
+    body = {"tools": BOUNDED_TOOLS, "tool_choice": FORCED, "max_tokens": 34,
+            "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    if path == "/v1/responses":
+        body = {"input": "Weather in Paris?", "max_output_tokens": 34,
+                "tools": [{"type": "function", **BOUNDED_TOOLS[0]["function"]}],
+                "tool_choice": {"type": "function", "name": "get_weather"}}
+    with httpx.stream("POST", slow_agentic_server.base_url + path, timeout=60, json={
+            **body, "stream": True, "user": "slow", "temperature": 0}) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    assert reply.status_code == 200
+    chat = path == "/v1/chat/completions"
+    # From the first event of the output (chat's role chunk; Responses' in_progress comes
+    # before it) to the call's first chunk: about 30 quiet steps of >= 110 ms each.
+    start = next(i for i, line in enumerate(lines) if line.startswith(
+        "data:" if chat else "event: response.in_progress"))
+    call = next(i for i, line in enumerate(lines) if line.startswith(
+        "data:") and '"tool_calls"' in line or line == "event: response.output_item.added")
+    assert lines[start:call].count(": ping") >= 5, lines

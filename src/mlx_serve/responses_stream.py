@@ -26,7 +26,7 @@ from mlx_serve.responses_api import (
     function_call_item,
     output_text,
 )
-from mlx_serve.streaming import pings_until_output, tell_tracker
+from mlx_serve.streaming import QuietPings, pings_until_output, tell_tracker
 from mlx_serve.tool_calls import CallUpdate
 
 
@@ -173,6 +173,7 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
                 yield ping
             if tracker is not None:
                 tracker.first_output()
+            quiet = QuietPings(ping_seconds)
             async for item in handle:
                 if isinstance(item, Failure):
                     error = item.error
@@ -180,6 +181,9 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
                 frames = items.delta(item)
                 if frames:
                     yield b"".join(frames)
+                    quiet.spoke()
+                elif (keep_alive := quiet.quiet()) is not None:
+                    yield keep_alive
         except MLXServeError as exc:
             error = exc
         except Exception as exc:  # a fault in our own send path still ends the stream cleanly

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -32,6 +33,9 @@ class SSEResponse(StreamingResponse):
                                           "X-Accel-Buffering": "no"})
 
 
+PING = b": ping\n\n"
+
+
 def _frame(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
@@ -44,7 +48,35 @@ async def pings_until_output(handle: RequestHandle, ping_seconds: float
         with anyio.move_on_after(ping_seconds):
             await handle.peek()
             return
-        yield b": ping\n\n"
+        yield PING
+
+
+class QuietPings:
+    """Comments for a stream whose events carry nothing to send for a while (a tool call
+    in a format that is parsed only once complete), so idle-timeout proxies keep it.
+
+    ``quiet`` is called for such an event, ``spoke`` after each write; the time is read
+    only while the stream is quiet, never on the path of a written token.
+    """
+
+    __slots__ = ("_every", "_since")
+
+    def __init__(self, every: float) -> None:
+        self._every = every
+        self._since: float | None = None
+
+    def spoke(self) -> None:
+        self._since = None
+
+    def quiet(self) -> bytes | None:
+        """A ping when the stream has been quiet for ``every`` seconds, else None."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        elif now - self._since >= self._every:
+            self._since = now
+            return PING
+        return None
 
 
 def tell_tracker(tracker: RequestTracker | None, choices: list[Choice],
@@ -86,6 +118,7 @@ async def sse_events(
             for chunk in ([shape.role_chunk(i) for i in range(choices)] if shape.chat else
                           [shape.echo_chunk(i, prompt) for i, prompt in echoes.items()]):
                 yield _frame(json.dumps(chunk))
+            quiet = QuietPings(ping_seconds)
             async for event in handle:
                 # Everything that queued up meanwhile goes out in one write: when the
                 # event loop falls behind, each write carries several tokens.
@@ -96,6 +129,9 @@ async def sse_events(
                     if failpoints:
                         await failpoints.acheck("sse.send", users)
                     yield b"".join(frames)
+                    quiet.spoke()
+                elif (keep_alive := quiet.quiet()) is not None:
+                    yield keep_alive
                 if error is not None:
                     break
             if error is None and shape.include_usage:
