@@ -11,6 +11,7 @@ import httpx
 import pytest
 from mlx_lm.tool_parsers import json_tools, qwen3_coder
 
+from mlx_serve.generation import FinishReason
 from mlx_serve.tool_calls import CallUpdate, ToolCallStream
 from tests.server_process import ServerProcess
 from tests.test_agentic import BOUNDED_TOOLS, chat, sdk
@@ -214,3 +215,56 @@ def test_a_stream_quiet_while_a_call_begins_is_kept_alive(slow_agentic_server, p
     call = next(i for i, line in enumerate(lines) if line.startswith(
         "data:") and '"tool_calls"' in line or line == "event: response.output_item.added")
     assert lines[start:call].count(": ping") >= 5, lines
+
+
+# -- parallel_tool_calls false: one call at most -------------------------------------------
+
+TWO_CALLS = ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
+             '<tool_call>{"name": "b", "arguments": {"y": 2}}</tool_call> and more text')
+
+
+def pipeline_pieces(tokenizer, text: str, one_tool_call: bool):
+    from mlx_lm.generate import make_text_state_machine
+
+    from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
+    from mlx_serve.runner.text import TextPipeline
+
+    request = GenerationRequest("r", (1,), SamplingParams(max_tokens=200), output=OutputOptions(
+        split_reasoning=True, one_tool_call=one_tool_call))
+    pipe = TextPipeline(tokenizer.detokenizer, request, make_text_state_machine(tokenizer))
+    pieces = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        pieces.append(pipe.advance(token, None))
+        if pieces[-1].finish is not None:
+            break
+    return pieces
+
+
+def test_with_one_call_allowed_the_reply_ends_where_the_first_call_does(agentic_tokenizer):
+    many = pipeline_pieces(agentic_tokenizer, TWO_CALLS, one_tool_call=False)
+    one = pipeline_pieces(agentic_tokenizer, TWO_CALLS, one_tool_call=True)
+    assert [c for p in many for c in p.tool_calls] == [
+        '{"name": "a", "arguments": {"x": 1}}', '{"name": "b", "arguments": {"y": 2}}']
+    assert many[-1].finish is None and "more text" in "".join(p.content for p in many)
+    assert [c for p in one for c in p.tool_calls] == ['{"name": "a", "arguments": {"x": 1}}']
+    assert one[-1].finish is FinishReason.STOP and len(one) < len(many) // 2
+    assert "".join(p.content for p in one) == ""
+
+
+def test_with_one_call_allowed_a_span_of_several_calls_keeps_its_first():
+    text = '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]'
+    for one_call, names in ((False, ["a", "b"]), (True, ["a"])):
+        stream, calls = ToolCallStream(json_tools.parse_tool_call, None, one_call), []
+        stream.update(calls, (text,), "")
+        assert [c["function"]["name"] for c in calls] == names
+
+
+def test_parallel_tool_calls_is_taken_and_echoed(agentic_server):
+    reply = chat(agentic_server, tools=BOUNDED_TOOLS, parallel_tool_calls=False)
+    assert reply.status_code == 200, reply.text
+    with sdk(agentic_server) as client:
+        for value in (False, True):
+            response = client.responses.create(
+                model="agentic", input="hi", max_output_tokens=2, parallel_tool_calls=value,
+                tools=[{"type": "function", **BOUNDED_TOOLS[0]["function"]}])
+            assert response.parallel_tool_calls is value

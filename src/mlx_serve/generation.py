@@ -49,6 +49,7 @@ class OutputOptions:
     split_reasoning: bool = False  # route thinking/tool-call spans apart (chat only)
     initial_state: str = "normal"  # "reasoning" when the prompt opened a thinking span
     keep_leading_space: bool = False  # chat replies drop the first token's space
+    one_tool_call: bool = False  # end the reply where its first tool call ends
     # The prompt's own tokens scored too (completions' echo with logprobs, vLLM's
     # prompt_logprobs), each with this many alternatives (None: off); with prompt_ranks
     # each token's rank in the vocabulary as well (vLLM's format has it).

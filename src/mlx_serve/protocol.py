@@ -21,7 +21,7 @@ UNSUPPORTED_FIELDS = frozenset({
 CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort",
                                   "add_generation_prompt_suffix", "documents"})
 # OpenAI fields that are accepted and change nothing about the generated text.
-ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls"})
+ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier"})
 
 
 class _Request(BaseModel):
@@ -125,6 +125,9 @@ class ChatCompletionRequest(_Request):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # False: at most one call; the reply ends where the first call does (OpenAI's
+    # default, True, lets the model write as many as it does).
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # How much a reasoning model thinks, through its chat template (prompts.py).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
@@ -238,7 +241,7 @@ RESPONSES_UNSUPPORTED = frozenset({
 })
 # Responses API fields accepted that change nothing about the generated text.
 RESPONSES_NO_EFFECT = frozenset({
-    "metadata", "parallel_tool_calls", "service_tier", "safety_identifier",
+    "metadata", "service_tier", "safety_identifier",
     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "stream_options",
 })
 
@@ -277,6 +280,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # as chat's
     truncation: Literal["auto", "disabled"] | None = None
     previous_response_id: str | None = None
     reasoning: ReasoningConfig | None = None

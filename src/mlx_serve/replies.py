@@ -70,6 +70,7 @@ class ReplyShape:
     reasoning_format: str = "reasoning"
     tool_parser: Any = None
     tools: list[dict] | None = None
+    one_tool_call: bool = False  # parallel_tool_calls false: a span's later calls dropped
     echo: dict[int, str] = field(default_factory=dict)  # completions: each choice's prompt
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's scores in the reply
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
@@ -93,7 +94,8 @@ class ReplyShape:
         calls: list[CallUpdate] = []
         if (delta.tool_calls or delta.tool_text) and self.tool_parser is not None:
             if choice.call_stream is None:
-                choice.call_stream = ToolCallStream(self.tool_parser, self.tools)
+                choice.call_stream = ToolCallStream(self.tool_parser, self.tools,
+                                                    self.one_tool_call)
             calls = choice.call_stream.update(choice.tool_calls, delta.tool_calls,
                                               delta.tool_text)
         for t in delta.logprobs:

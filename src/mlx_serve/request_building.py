@@ -177,6 +177,7 @@ async def build_chat_request(
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     output = OutputOptions(logprobs=logprobs, split_reasoning=rendered.split_reasoning,
                            initial_state=rendered.initial_state,
+                           one_tool_call=body.parallel_tool_calls is False,
                            response_format=response_format,
                            prompt_logprobs=body.prompt_logprobs,
                            prompt_ranks=body.prompt_logprobs is not None)

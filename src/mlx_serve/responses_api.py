@@ -71,6 +71,7 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         messages=_messages(body), max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, user=body.user,
         response_format=_response_format(body), tools=tools, tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
         reasoning_effort=body.reasoning.effort if body.reasoning is not None else None,
         logprobs=logprobs or None, top_logprobs=(body.top_logprobs or 0) if logprobs else None)
 
@@ -178,7 +179,7 @@ class ResponseBuilder:
             "incomplete_details": incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "top_logprobs": body.top_logprobs,
             "model": self.model,
-            "output": output, "parallel_tool_calls": True,
+            "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "store": self.store,
             "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)

@@ -114,7 +114,9 @@ def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model:
         if prepared.tools else None
     return ReplyShape(chat=chat, model=model, prompt_tokens=prepared.prompt_tokens,
                       logprobs=prepared.logprobs, reasoning_format=prepared.reasoning_format,
-                      tool_parser=parser, tools=prepared.tools, echo=prepared.echo,
+                      tool_parser=parser, tools=prepared.tools,
+                      one_tool_call=prepared.requests[0].output.one_tool_call,
+                      echo=prepared.echo,
                       prompt_logprobs=prepared.prompt_logprobs, id=request_id, **options)
 
 

@@ -128,10 +128,12 @@ class ToolCallStream:
     the one still open. Fills ``calls`` (the choice's OpenAI tool calls) and says what
     each delta changed."""
 
-    __slots__ = ("_parser", "_tools", "_follows", "_open")
+    __slots__ = ("_parser", "_tools", "_follows", "_open", "_one")
 
-    def __init__(self, parser: Any, tools: list[dict] | None) -> None:
-        self._parser, self._tools = parser, tools
+    def __init__(self, parser: Any, tools: list[dict] | None, one_call: bool = False) -> None:
+        """``one_call``: at most one call (``parallel_tool_calls`` false); the generation
+        ends with the first span, and of a span holding several calls the first is kept."""
+        self._parser, self._tools, self._one = parser, tools, one_call
         self._follows = is_json_tool_parser(parser)
         self._open: JsonCallScanner | None = None
 
@@ -157,6 +159,8 @@ class ToolCallStream:
                 _check_arguments(calls[update.position])
                 return [update]
         parsed = parse_tool_calls(self._parser, self._tools, (text,))
+        if self._one:
+            parsed = parsed[:max(0, 1 - len(calls))]
         calls += parsed
         first = len(calls) - len(parsed)
         return [CallUpdate(first + i, True, c["function"]["arguments"], True)

@@ -27,7 +27,7 @@ class TextPiece(NamedTuple):
 
 class TextPipeline:
     __slots__ = ("_detok", "_stops", "_unchecked", "_hidden", "_machine", "_state", "_prev",
-                 "_tool_text")
+                 "_tool_text", "_one_call")
 
     def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any,
                  hidden: frozenset[int] = frozenset()) -> None:
@@ -46,6 +46,7 @@ class TextPipeline:
         self._state = machine.make_state(initial) if self._machine is not None else None
         self._prev: str | None = initial
         self._tool_text = ""
+        self._one_call = request.output.one_tool_call
 
     def advance(self, token: int, engine_finish: str | None) -> TextPiece:
         """Account one token; ``engine_finish`` is mlx-lm's reason (an EOS is "stop")."""
@@ -91,6 +92,9 @@ class TextPipeline:
                 if self._prev == "tool":
                     calls.append(self._tool_text)
                     self._tool_text, reported = "", 0
+                    if self._one_call:  # parallel_tool_calls false: the reply ends here
+                        self._prev, finish = name, FinishReason.STOP
+                        break
                 content.append(piece)
             self._prev = name
         if finish is not None and self._prev == "tool" and self._tool_text:
