@@ -322,7 +322,8 @@ def test_unknown_vendor_field_and_user_are_accepted(client, server):
     assert reply.usage.completion_tokens == 3
     raw = httpx.post(server.base_url + "/v1/completions", timeout=TIMEOUT, json={
         "model": MODEL, "prompt": "hi", "max_tokens": 2, "foo": {"bar": [1, 2]},
-        "user": "bob", "store": False, "metadata": {"k": "v"}})
+        "user": "bob", "store": False, "metadata": {"k": "v"}, "safety_identifier": "u1",
+        "prompt_cache_key": "conversation-1"})
     assert raw.status_code == 200, raw.text
 
 

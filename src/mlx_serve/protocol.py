@@ -21,7 +21,8 @@ UNSUPPORTED_FIELDS = frozenset({
 CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort",
                                   "add_generation_prompt_suffix", "documents"})
 # OpenAI fields that are accepted and change nothing about the generated text.
-ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier"})
+ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "safety_identifier",
+                                "prompt_cache_key", "prompt_cache_retention"})
 
 
 class _Request(BaseModel):
