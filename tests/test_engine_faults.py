@@ -8,7 +8,14 @@ import pytest
 from mlx_serve.engine import EngineConfig, EngineState
 from mlx_serve.errors import EngineDeadError, GenerationError, StepTimeoutError
 from tests.conftest import running_engine
-from tests.engine_helpers import drain, generate, generate_all, make_request, prompts
+from tests.engine_helpers import (
+    drain,
+    generate,
+    generate_all,
+    make_request,
+    prompts,
+    step_hanging,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -133,3 +140,25 @@ async def test_requests_with_and_without_logits_processors_share_prefill(tiny_mo
         results = await generate_all(engine, [plain, penalised])
         assert [(r.tokens, r.error) for r in results] == [(12, None), (12, None)]
         assert engine.state is EngineState.READY
+
+
+async def test_a_recovery_whose_requests_all_left_ends_ready(tiny_model_dir):
+    # The only request's client leaves while a step hangs; the steps after it fail while
+    # its sequence is still in the batch. Nothing is left to replay: the engine must not
+    # stay "recovering" with no work that could ever end the recovery.
+    spec = "engine.step[user=leaver]=1*hang->raise(RuntimeError:after the client left)"
+    async with running_engine(tiny_model_dir, failpoints=spec) as engine:
+        handle = engine.submit(make_request(prompts(engine, 1)[0], max_tokens=500,
+                                            user="leaver"))
+        await step_hanging(engine)
+        handle.close()
+        engine.failpoints.release()
+        with anyio.fail_after(10):
+            while (stats := engine.statistics()).running or stats.waiting or stats.steps < 2:
+                await anyio.sleep(0.01)
+        with anyio.fail_after(2):
+            while engine.state is not EngineState.READY:
+                await anyio.sleep(0.01)
+        assert engine.statistics().recoveries >= 1  # a step did fail after the departure
+        after = await generate(engine, prompts(engine, 1)[0], max_tokens=4)
+        assert after.tokens == 4 and after.error is None

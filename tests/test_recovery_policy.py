@@ -1,6 +1,6 @@
 """The isolation policy on its own: which requests go into the next batch after faults."""
 
-from mlx_serve.recovery import Isolation
+from mlx_serve.recovery import Decision, Isolation
 
 ALL = {"a", "b", "c", "d"}
 
@@ -94,3 +94,14 @@ def test_a_request_in_too_many_failed_steps_is_isolated_even_with_good_steps_bet
             break
     assert isolated == {"flaky"}
     assert i == 7  # on its eighth failed step
+
+
+def test_a_reset_recovery_treats_the_next_failure_as_a_first_one():
+    iso = Isolation(max_failed_rebuilds=3)
+    iso.on_failure({"a", "b", "c"})  # replay
+    iso.on_failure({"a", "b", "c"})  # bisect: probing
+    assert iso.recovering
+    iso.reset()  # its requests all ended
+    assert not iso.recovering
+    assert iso.on_failure({"d"}) == Decision(batch=None)  # a fresh replay, not a probe
+    assert iso.failure_streak == 1

@@ -200,6 +200,7 @@ class Engine:
         while not self._aborted:
             if not inflight:
                 if not self._requests:
+                    await self._end_moot_recovery()
                     return
                 inflight.append(self._launch_step())
             self._top_up(inflight)
@@ -214,6 +215,18 @@ class Engine:
             if outcome.error is None and not outcome.skipped:
                 self._top_up(inflight)
             await self._handle(outcome, step.in_step)
+
+    async def _end_moot_recovery(self) -> None:
+        """Idle mid-recovery (its requests all ended, or their clients left): no step
+        would come to end it, so it ends here; the next request starts a whole batch."""
+        if self._isolation.recovering:  # (a probe's batch is only set while recovering)
+            log.info("recovery over: no request left to replay")
+            self._isolation.reset()
+            if self._batch is not None:
+                self._batch = None
+                await self._mlx.call(self.runner.rebuild, None)
+            if self._state is EngineState.RECOVERING:
+                self._state = EngineState.READY
 
     def _retire_finished(self, outcome: StepOutcome) -> None:
         """Each terminal delta ends its request here; ``_deliver`` hands out the rest."""

@@ -96,6 +96,14 @@ class Isolation:
             return None
         return self._next(frozenset())
 
+    def reset(self) -> None:
+        """Forget a recovery that has no request left in it: a clean slate."""
+        self.failure_streak = self.isolations_in_a_row = 0
+        self._replayed, self._probing = False, None
+        self._pending.clear()
+        self._alone_failures.clear()
+        self._involvement.clear()
+
     def forget(self, request_ids: Iterable[str]) -> None:
         """Requests that ended (finished, cancelled) leave every pending group."""
         gone = set(request_ids)
