@@ -80,3 +80,32 @@ def test_the_sdks_stream_helper_rebuilds_a_thinking_models_response(agentic_serv
     assert final.output.index(message) == 1
     assert [e.output_index for e in events if e.type == "response.content_part.added"] == [1]
     assert 0 < final.usage.output_tokens_details.reasoning_tokens <= 12
+
+
+def test_a_call_cut_off_at_max_output_tokens_is_an_incomplete_item(agentic_tokenizer):
+    from mlx_lm.generate import make_text_state_machine
+
+    from mlx_serve.generation import Delta, GenerationRequest, OutputOptions, SamplingParams
+    from mlx_serve.runner.text import TextPipeline
+
+    text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    request = GenerationRequest("r", (1,), SamplingParams(max_tokens=100),
+                                output=OutputOptions(split_reasoning=True))
+    pipe = TextPipeline(agentic_tokenizer.detokenizer, request,
+                        make_text_state_machine(agentic_tokenizer))
+    tokens = agentic_tokenizer.encode(text, add_special_tokens=False)
+    pieces = [pipe.advance(t, "length" if i == len(tokens) - 1 else None)
+              for i, t in enumerate(tokens)]
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", "resp_1")
+    items = _OutputItems(builder, shape_for(agentic_tokenizer))
+    frames = [f for p in pieces for f in items.delta(
+        Delta(p.content, 1, p.finish, 0, p.reasoning, p.tool_calls, tool_text=p.tool_text))]
+    closing, final = items.closing(None)
+    events = sdk_events(frames + closing)
+    assert final["status"] == "incomplete"
+    call = final["output"][1]
+    assert (call["type"], call["status"], call["arguments"]) == (
+        "function_call", "incomplete", '{"city": "Par')
+    done = next(e for e in events if e.type == "response.output_item.done"
+                and e.item.type == "function_call")
+    assert done.item.status == "incomplete"

@@ -108,11 +108,16 @@ def test_arguments_written_as_a_string_are_that_string():
 
 def test_a_call_cut_off_keeps_the_arguments_written_so_far(caplog):
     text = '{"name": "write_file", "arguments": {"path": "a.txt", "body": "hal'
+    stream, calls = ToolCallStream(json_tools.parse_tool_call, None), []
     with caplog.at_level(logging.WARNING, logger="mlx_serve.tool_calls"):
-        calls, updates = stream_call(text, [40, 50])
+        updates = stream.update(calls, (), text[:50]) + stream.update(calls, (text,), "")
     assert calls[0]["function"]["arguments"] == '{"path": "a.txt", "body": "hal'
     assert "".join(u.arguments for u in updates) == calls[0]["function"]["arguments"]
     assert "not valid JSON" in caplog.text
+    assert stream.cut_off == {0}  # kept, but known to be incomplete
+    whole = ToolCallStream(json_tools.parse_tool_call, None)
+    whole.update([], (text + '"}}',), "")
+    assert whole.cut_off == set()
 
 
 def test_formats_other_than_json_are_parsed_whole_at_their_end():
@@ -132,11 +137,11 @@ FORCED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def streamed_forced_call(server, **body) -> tuple[list, str | None]:
+    body = {"temperature": 1.0, "seed": 3, **body}
     with sdk(server) as client:
         chunks = list(client.chat.completions.create(
             model="agentic", messages=[{"role": "user", "content": "Weather in Paris?"}],
-            tools=BOUNDED_TOOLS, tool_choice=FORCED, temperature=1.0, seed=3, stream=True,
-            **body))
+            tools=BOUNDED_TOOLS, tool_choice=FORCED, stream=True, **body))
     deltas = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
     return deltas, chunks[-1].choices[0].finish_reason
 
@@ -268,3 +273,16 @@ def test_parallel_tool_calls_is_taken_and_echoed(agentic_server):
                 model="agentic", input="hi", max_output_tokens=2, parallel_tool_calls=value,
                 tools=[{"type": "function", **BOUNDED_TOOLS[0]["function"]}])
             assert response.parallel_tool_calls is value
+
+
+def test_a_call_cut_off_by_a_stop_string_ends_with_stop_not_tool_calls(agentic_server):
+    body = {"tools": BOUNDED_TOOLS, "tool_choice": FORCED, "max_tokens": 80, "stop": ["city"],
+            "temperature": 0, "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    whole = chat(agentic_server, **body).json()["choices"][0]
+    (call,) = whole["message"]["tool_calls"]
+    assert whole["finish_reason"] == "stop"  # its call was cut off: nothing to run
+    assert (call["function"]["name"], call["function"]["arguments"]) == ("get_weather", '{"')
+    deltas, finish = streamed_forced_call(agentic_server, max_tokens=80, stop=["city"],
+                                          temperature=0)
+    assert finish == "stop"
+    assert "".join(d.function.arguments for d in deltas) == '{"'

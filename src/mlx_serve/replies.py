@@ -55,6 +55,10 @@ class Choice:
     prompt_logprobs: PromptLogprobs | None = None  # echo with logprobs: the prompt's own
     call_stream: ToolCallStream | None = None  # made at the choice's first tool-call text
 
+    def call_complete(self, position: int) -> bool:
+        """Whether the call's arguments were written to their end (not cut off)."""
+        return self.call_stream is None or position not in self.call_stream.cut_off
+
 
 @dataclass
 class ReplyShape:
@@ -105,7 +109,9 @@ class ReplyShape:
         if delta.finish_reason is not None:
             choice.cached_tokens = delta.cached_tokens
             choice.finish = delta.finish_reason.value
-            if choice.finish == "stop" and choice.tool_calls:
+            # A reply whose last call was cut off ended for another reason than its calls.
+            if choice.finish == "stop" and choice.tool_calls and choice.call_complete(
+                    len(choice.tool_calls) - 1):
                 choice.finish = "tool_calls"
         return calls
 

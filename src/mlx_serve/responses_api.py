@@ -169,7 +169,8 @@ class ResponseBuilder:
             text = "".join(choice.content)
             output.append(self.message(text, "completed" if status == "completed"
                                        else "incomplete", choice.logprobs))
-            output += [function_call_item(call) for call in choice.tool_calls]
+            output += [function_call_item(call, choice.call_complete(i))
+                       for i, call in enumerate(choice.tool_calls)]
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
         return {
@@ -190,11 +191,11 @@ class ResponseBuilder:
         }
 
 
-def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
-    """A chat tool call as a Responses output item."""
+def function_call_item(call: dict[str, Any], complete: bool = True) -> dict[str, Any]:
+    """A chat tool call as a Responses output item (``incomplete`` when cut off)."""
     return {"id": f"fc_{call['id']}", "type": "function_call", "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-            "status": "completed"}
+            "status": "completed" if complete else "incomplete"}
 
 
 def output_text(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:

@@ -115,7 +115,8 @@ class _OutputItems:
         """A function call's events: the item when it opens, its arguments as they are
         written, and the whole call when it is done. Calls follow the message."""
         assert self.message_at is not None
-        item = function_call_item(self.choice.tool_calls[update.position])
+        item = function_call_item(self.choice.tool_calls[update.position],
+                                  self.choice.call_complete(update.position))
         index = self.message_at + 1 + update.position
         where = {"item_id": item["id"], "output_index": index}
         frames = []

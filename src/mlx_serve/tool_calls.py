@@ -71,7 +71,7 @@ class JsonCallScanner:
     """One JSON call as it is written: its name once complete, then the text of its
     arguments up to the end of their value (nesting followed outside strings)."""
 
-    __slots__ = ("text", "name", "_at", "_depth", "_in_string", "_escaped", "_ended",
+    __slots__ = ("text", "name", "_at", "_depth", "_in_string", "_escaped", "ended",
                  "_gave_up")
 
     def __init__(self) -> None:
@@ -79,7 +79,8 @@ class JsonCallScanner:
         self.name: str | None = None
         self._at = 0  # the next character of ``text`` to read as arguments
         self._depth = 0
-        self._in_string = self._escaped = self._ended = self._gave_up = False
+        self._in_string = self._escaped = self._gave_up = False
+        self.ended = False  # the arguments' value is complete
 
     def feed(self, piece: str) -> str:
         """Take more of the call's text; return the argument text it adds."""
@@ -102,7 +103,7 @@ class JsonCallScanner:
     def _scan(self) -> str:
         text, start = self.text, self._at
         at = start
-        while at < len(text) and not self._ended:
+        while at < len(text) and not self.ended:
             ch = text[at]
             if self._in_string:
                 if self._escaped:
@@ -117,7 +118,7 @@ class JsonCallScanner:
                 self._depth += 1
             elif ch in "}]":
                 self._depth -= 1
-                self._ended = self._depth == 0
+                self.ended = self._depth == 0
             at += 1
         self._at = at
         return text[start:at]
@@ -128,12 +129,15 @@ class ToolCallStream:
     the one still open. Fills ``calls`` (the choice's OpenAI tool calls) and says what
     each delta changed."""
 
-    __slots__ = ("_parser", "_tools", "_follows", "_open", "_one")
+    __slots__ = ("_parser", "_tools", "_follows", "_open", "_one", "cut_off")
 
     def __init__(self, parser: Any, tools: list[dict] | None, one_call: bool = False) -> None:
         """``one_call``: at most one call (``parallel_tool_calls`` false); the generation
         ends with the first span, and of a span holding several calls the first is kept."""
         self._parser, self._tools, self._one = parser, tools, one_call
+        # Positions of calls whose span ended before their arguments did (max_tokens, a
+        # stop string, an end-of-sequence token): kept as written, but not complete.
+        self.cut_off: set[int] = set()
         self._follows = is_json_tool_parser(parser)
         self._open: JsonCallScanner | None = None
 
@@ -156,6 +160,8 @@ class ToolCallStream:
             scanner = scanner or JsonCallScanner()
             update = self._follow(calls, scanner, text[len(scanner.text):], done=True)
             if update is not None:
+                if not scanner.ended:
+                    self.cut_off.add(update.position)
                 _check_arguments(calls[update.position])
                 return [update]
         parsed = parse_tool_calls(self._parser, self._tools, (text,))
