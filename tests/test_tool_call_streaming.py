@@ -190,11 +190,13 @@ def test_a_call_cut_off_by_max_tokens_comes_back_as_far_as_it_was_written(agenti
 
 @pytest.fixture(scope="module")
 def slow_agentic_server(agentic_dir, tmp_path_factory: pytest.TempPathFactory):
-    """Steps of at least 110 ms for user "slow", pings after 100 ms of quiet."""
+    """Steps of at least 110 ms for user "slow", pings after 100 ms of quiet; for user
+    "faulty" the 33rd and 38th steps fail (a forced call's head takes about 30 tokens)."""
     log = tmp_path_factory.mktemp("slow-agentic") / "server.log"
-    with ServerProcess(agentic_dir, log, env={
-            "MLX_SERVE_FAILPOINTS": "engine.step[user=slow]=sleep(110)"},
-            args=["--sse-ping-seconds", "0.1"]) as server:
+    spec = ("engine.step[user=slow]=sleep(110);engine.step[user=faulty]=32*off"
+            "->1*raise(RuntimeError:in the call)->4*off->1*raise(RuntimeError:again)->off")
+    with ServerProcess(agentic_dir, log, env={"MLX_SERVE_FAILPOINTS": spec},
+                       args=["--sse-ping-seconds", "0.1"]) as server:
         yield server
 
 
@@ -220,6 +222,20 @@ def test_a_stream_quiet_while_a_call_begins_is_kept_alive(slow_agentic_server, p
     call = next(i for i, line in enumerate(lines) if line.startswith(
         "data:") and '"tool_calls"' in line or line == "event: response.output_item.added")
     assert lines[start:call].count(": ping") >= 5, lines
+
+
+def test_steps_failing_while_a_call_is_written_change_nothing_in_it(slow_agentic_server):
+    server = slow_agentic_server
+    before = httpx.get(server.base_url + "/health", timeout=5).json()["recoveries"]
+    reference, _ = streamed_forced_call(server, max_tokens=80, temperature=0)
+    replayed, finish = streamed_forced_call(server, max_tokens=80, temperature=0,
+                                            user="faulty")
+    assert httpx.get(server.base_url + "/health", timeout=5).json()["recoveries"] == before + 2
+    assert finish == "tool_calls"
+    assert [(d.index, d.function.name) for d in replayed if d.function.name] == [
+        (0, "get_weather")]
+    assert "".join(d.function.arguments for d in replayed) == "".join(
+        d.function.arguments for d in reference)
 
 
 # -- parallel_tool_calls false: one call at most -------------------------------------------
