@@ -54,6 +54,24 @@ class _Request(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     # vLLM extension: the prompt's own tokens scored, each with this many alternatives.
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's structured outputs, and the older fields for them (guided.py).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of these constrains the whole reply."""
+
+    model_config = ConfigDict(extra="allow")  # vLLM's other settings: see guided.REFUSED
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(BaseModel):

@@ -18,6 +18,7 @@ import anyio
 from mlx_serve.config import Settings
 from mlx_serve.errors import ContextLengthExceededError, RequestError, UnsupportedParameterError
 from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
+from mlx_serve.guided import guided_format
 from mlx_serve.prompts import render_chat
 from mlx_serve.protocol import (
     ACCEPTED_NO_EFFECT,
@@ -141,12 +142,31 @@ def choices(request_id: str, prompt: list[int], params: SamplingParams, n: int, 
     return out
 
 
-async def compile_format(body: ChatCompletionRequest, runner: Any) -> object | None:
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
+async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner: Any,
+                         forced_call: dict | None = None) -> object | None:
+    """The one constraint on a request's reply, compiled: a forced tool call's schema,
+    ``response_format`` or vLLM's structured-output fields. Two at once are a 400, and
+    so is one with ``ignore_eos`` or ``min_tokens`` (a format ends its reply with an
+    end-of-sequence token, when its grammar does)."""
+    asked: list[tuple[str, dict]] = []
+    if forced_call is not None:
+        asked.append(("tool_choice", {"type": "json_schema", "json_schema": {
+            "name": "tool_call", "schema": forced_call}, "param": "tool_choice"}))
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        asked.append(("response_format", fmt.model_dump(exclude_none=True)))
+    if (guided := guided_format(body)) is not None:
+        asked.append((guided["param"], guided))
+    if not asked:
         return None
-    return await anyio.to_thread.run_sync(runner.compile_response_format,
-                                          fmt.model_dump(exclude_none=True))
+    if len(asked) > 1:
+        raise RequestError(f"'{asked[0][0]}' and '{asked[1][0]}' cannot be combined",
+                           param=asked[1][0])
+    if body.ignore_eos or body.min_tokens:
+        param = "ignore_eos" if body.ignore_eos else "min_tokens"
+        raise RequestError(f"'{param}' cannot be combined with a response format or a "
+                           "forced tool call", param=param)
+    return await anyio.to_thread.run_sync(runner.compile_response_format, asked[0][1])
 
 
 async def build_chat_request(
@@ -157,21 +177,7 @@ async def build_chat_request(
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer,
                                       runner.encode, body)
-    if rendered.forced_call is not None:
-        if body.response_format is not None and body.response_format.type != "text":
-            raise RequestError("a forced tool call and 'response_format' cannot be combined",
-                               param="response_format")
-        response_format = await anyio.to_thread.run_sync(
-            runner.compile_response_format,
-            {"type": "json_schema", "json_schema": {"name": "tool_call",
-                                                    "schema": rendered.forced_call}})
-    else:
-        response_format = await compile_format(body, runner)
-    if response_format is not None and (body.ignore_eos or body.min_tokens):
-        # A format ends its reply with an end-of-sequence token, when its grammar does.
-        param = "ignore_eos" if body.ignore_eos else "min_tokens"
-        raise RequestError(f"'{param}' cannot be combined with a response format or a "
-                           "forced tool call", param=param)
+    response_format = await compile_format(body, runner, rendered.forced_call)
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
                              len(rendered.tokens), runner, settings)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -250,6 +256,7 @@ async def build_completion_request(
     asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs)
              if k is not None]
     output = OutputOptions(logprobs=body.logprobs, keep_leading_space=True,
+                           response_format=await compile_format(body, runner),
                            prompt_logprobs=max(asked) if asked else None,
                            prompt_ranks=body.prompt_logprobs is not None)
     reqs: list[GenerationRequest] = []

@@ -8,15 +8,17 @@ from mlx_serve.errors import RequestError, UnsupportedParameterError
 
 
 def compile_format(tokenizer: Any, response_format: dict, vocab_size: int) -> object:
-    """Compile an OpenAI ``response_format`` (any thread). Structured output needs an
-    optional grammar library: without it, a format is an unsupported parameter."""
+    """Compile an OpenAI ``response_format`` or a vLLM constraint (any thread); a 400
+    names the request field it came from (``param`` in the dict, else response_format).
+    Structured output needs an optional grammar library: without it, a format is an
+    unsupported parameter."""
+    param = str(response_format.get("param", "response_format"))
     try:
         from mlx_serve.runner.structured import StructuredOutputError, compile_response_format
     except ImportError:
         raise UnsupportedParameterError("structured output is not available",
-                                        param="response_format") from None
+                                        param=param) from None
     try:
         return compile_response_format(tokenizer, response_format, vocab_size)
     except StructuredOutputError as exc:
-        raise RequestError(f"invalid response_format: {exc}",
-                           param="response_format") from None
+        raise RequestError(f"invalid {param}: {exc}", param=param) from None

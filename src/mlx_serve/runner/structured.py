@@ -20,7 +20,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import threading
 import weakref
 from collections import OrderedDict
@@ -135,21 +134,39 @@ class _Processor:
 def compile_response_format(
     tokenizer_wrapper: Any, response_format: dict, vocab_size: int
 ) -> CompiledFormat:
-    """Compile an OpenAI ``response_format`` (json_object or json_schema) for a tokenizer.
+    """Compile an OpenAI ``response_format`` (json_object or json_schema), or one of
+    vLLM's constraints (``{"type": "regex", "regex": ...}``, ``{"type": "lark", "lark":
+    ...}``), for a tokenizer.
 
     Thread-safe; may run on any thread. The first call for a tokenizer builds llguidance's
     view of its vocabulary (about 1.7 s for 49k tokens on the dev CPU); later calls reuse
-    it, and compiled schemas come from a bounded LRU cache. ``strict`` is accepted and
+    it, and compiled grammars come from a bounded LRU cache. ``strict`` is accepted and
     ignored: a schema is always enforced. A json_schema without ``schema`` means any object.
     """
-    schema = _schema_of(response_format)
+    grammar, what = _grammar_of(response_format)
     entry = _tokenizer_entry(tokenizer_wrapper, vocab_size)
-    return entry.compiled(schema)
+    return entry.compiled(grammar, what)
+
+
+def _grammar_of(response_format: dict) -> tuple[str, str]:
+    """llguidance's grammar for a format, and what to call it in an error."""
+    if not isinstance(response_format, dict):
+        raise StructuredOutputError("response_format must be an object")
+    kind = response_format.get("type")
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(str(response_format["regex"])), "regex"
+    if kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(str(response_format["lark"])), "grammar"
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            _schema_of(response_format), overrides=_JSON_OPTIONS), "JSON schema"
+    except (ValueError, TypeError, RuntimeError) as exc:
+        if isinstance(exc, StructuredOutputError):
+            raise
+        raise StructuredOutputError(f"invalid JSON schema: {exc}") from None
 
 
 def _schema_of(response_format: dict) -> dict:
-    if not isinstance(response_format, dict):
-        raise StructuredOutputError("response_format must be an object")
     kind = response_format.get("type")
     if kind == "json_object":
         return _ANY_OBJECT
@@ -180,15 +197,15 @@ class _TokenizerEntry:
         self._lock = threading.Lock()
         self._grammars: OrderedDict[str, CompiledFormat] = OrderedDict()
 
-    def compiled(self, schema: dict) -> CompiledFormat:
-        key = json.dumps(schema, sort_keys=True)
+    def compiled(self, grammar: str, what: str) -> CompiledFormat:
+        key = grammar
         with self._lock:
             hit = self._grammars.get(key)
             if hit is not None:
                 self._grammars.move_to_end(key)
                 return hit
         # Compiled outside the lock: a duplicate compile is cheaper than a serialised one.
-        fmt = CompiledFormat(self._matcher(schema), self.vocab_size, self.eos_ids,
+        fmt = CompiledFormat(self._matcher(grammar, what), self.vocab_size, self.eos_ids,
                              self.tokenizer.vocab_size)
         with self._lock:
             self._grammars[key] = fmt
@@ -196,14 +213,13 @@ class _TokenizerEntry:
                 self._grammars.popitem(last=False)
         return fmt
 
-    def _matcher(self, schema: dict) -> llguidance.LLMatcher:
+    def _matcher(self, grammar: str, what: str) -> llguidance.LLMatcher:
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
             matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         except (ValueError, TypeError, RuntimeError) as exc:
-            raise StructuredOutputError(f"invalid JSON schema: {exc}") from None
+            raise StructuredOutputError(f"invalid {what}: {exc}") from None
         if matcher.is_error():
-            raise StructuredOutputError(f"invalid JSON schema: {_error(matcher)}")
+            raise StructuredOutputError(f"invalid {what}: {_error(matcher)}")
         return matcher
 
 
