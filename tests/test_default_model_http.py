@@ -106,3 +106,12 @@ def test_the_sdk_parses_structured_answers_whole_and_streamed(client):
         streamed = stream.get_final_response().output_parsed
     assert isinstance(whole, Capital) and whole.city == "Paris"
     assert streamed == whole  # the same request, whichever API serves it
+
+
+def test_an_assistant_prefill_is_continued(client):
+    """vLLM's continue_final_message: the reply goes on from the prefilled answer."""
+    reply = client.chat.completions.create(
+        model=served_id(client), max_tokens=4, temperature=0,
+        messages=[*QUESTION, {"role": "assistant", "content": "The capital of France is"}],
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert reply.choices[0].message.content.startswith(" Paris")

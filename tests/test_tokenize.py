@@ -56,8 +56,9 @@ def test_token_strings_and_the_way_back(http):
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
     ("/tokenize", {"prompt": TEXT, "messages": HI}, 400, "prompt"),
     ("/tokenize", {}, 400, "prompt"),
-    ("/tokenize", {"messages": HI, "add_generation_prompt": False}, 400,
-     "add_generation_prompt"),
+    ("/tokenize", {"messages": HI, "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": HI, "add_special_tokens": True}, 400, "add_special_tokens"),
     ("/tokenize", {"prompt": TEXT, "model": "gpt-4o"}, 404, "model"),
     ("/tokenize", {"prompt": TEXT, "bogus": 1}, 400, "bogus"),
     ("/detokenize", {"tokens": [1, 100000]}, 400, "tokens"),

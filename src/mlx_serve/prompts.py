@@ -127,12 +127,18 @@ def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionReque
     tools = offered_tools(body, tokenizer)
     kwargs = template_kwargs(body, tokenizer)
     messages = [message_dict(m) for m in body.messages]
+    if body.continue_final_message and body.add_generation_prompt:  # as vLLM
+        raise RequestError("'continue_final_message' needs 'add_generation_prompt': false",
+                           param="continue_final_message")
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
+            messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+            tokenize=False, **kwargs)
     except Exception as exc:  # template errors, e.g. a role the template refuses
         raise RequestError(f"the chat template rejected the messages: {exc}",
                            param="messages") from None
+    if body.continue_final_message:
+        text = open_final_message(text, messages[-1]["content"])
     # What apply_chat_template(tokenize=True) does, through the lock-keeping encoder.
     tokens = encode(text, add_special_tokens=False)
     thinking = bool(getattr(tokenizer, "has_thinking", False))
@@ -141,8 +147,28 @@ def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionReque
         initial = "reasoning"
     initial = getattr(tokenizer, "response_initial_state", None) or initial
     forced = forced_call_schema(body, tokenizer)
+    if forced is not None and body.continue_final_message:
+        raise RequestError("a forced tool call starts a new reply; it cannot continue the "
+                           "final message", param="continue_final_message")
     if forced is not None:  # open the call in the prompt; the schema does the rest
         opening = (tokenizer.think_end + "\n" if initial == "reasoning" else "")
         tokens += encode(opening + tokenizer.tool_call_start, add_special_tokens=False)
         initial = "tool"
     return Rendered(tokens, tools, thinking or tools is not None, initial, forced)
+
+
+def open_final_message(text: str, content: Any) -> str:
+    """The rendered chat cut right after the final message's text, so that the reply
+    continues it (vLLM's ``continue_final_message``, as transformers cuts it: a template
+    may trim the message's edges, and then the cut follows the trimmed text)."""
+    if not isinstance(content, str) or not content.strip():
+        raise RequestError("'continue_final_message' needs a final message with text",
+                           param="continue_final_message")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise RequestError("the chat template changes the final message's text, so it "
+                           "cannot be continued", param="continue_final_message")
+    kept = content.lstrip()
+    if text[at:at + len(kept)] != kept:  # the template trimmed its trailing space
+        kept = content.strip()
+    return text[:at + len(kept)]

@@ -152,6 +152,10 @@ class ChatCompletionRequest(_Request):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # Where reasoning goes in replies (vendor field, as llama.cpp's server has it).
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] | None = None
+    # vLLM's: the template's generation prompt, or the final message left open for the
+    # reply to continue (an assistant prefill).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Request):

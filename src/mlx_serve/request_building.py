@@ -183,6 +183,8 @@ async def build_chat_request(
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     output = OutputOptions(logprobs=logprobs, split_reasoning=rendered.split_reasoning,
                            initial_state=rendered.initial_state,
+                           # a continued message's next word keeps its leading space
+                           keep_leading_space=body.continue_final_message,
                            one_tool_call=body.parallel_tool_calls is False,
                            response_format=response_format,
                            prompt_logprobs=body.prompt_logprobs,

@@ -30,14 +30,13 @@ async def tokenize(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("give either 'prompt' or 'messages'", param="prompt")
     if body.messages is not None:
-        for name, unsupported in (("add_generation_prompt", not body.add_generation_prompt),
-                                  ("continue_final_message", body.continue_final_message),
-                                  ("add_special_tokens", bool(body.add_special_tokens))):
-            if unsupported:  # a chat prompt here is always what a chat request would get
-                raise UnsupportedParameterError(f"'{name}' is not supported with messages",
-                                                param=name)
+        if body.add_special_tokens:  # a chat prompt is what a chat request would get
+            raise UnsupportedParameterError("'add_special_tokens' is not supported with "
+                                            "messages", param="add_special_tokens")
         chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
-                                     chat_template_kwargs=body.chat_template_kwargs)
+                                     chat_template_kwargs=body.chat_template_kwargs,
+                                     add_generation_prompt=body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message)
         rendered = await off_loop_if_long(None, render_chat, runner.tokenizer, runner.encode,
                                           chat)
         tokens = rendered.tokens
