@@ -9,7 +9,7 @@ import random
 
 import httpx
 import pytest
-from mlx_lm.tool_parsers import json_tools, qwen3_coder
+from mlx_lm.tool_parsers import json_tools, mistral
 
 from mlx_serve.generation import FinishReason
 from mlx_serve.tool_calls import CallUpdate, ToolCallStream
@@ -120,12 +120,12 @@ def test_a_call_cut_off_keeps_the_arguments_written_so_far(caplog):
     assert whole.cut_off == set()
 
 
-def test_formats_other_than_json_are_parsed_whole_at_their_end():
-    text = ("<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>")
+def test_other_formats_are_parsed_whole_at_their_end():
+    text = 'get_weather[ARGS]{"city": "Paris"}'  # Mistral's
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    stream, calls = ToolCallStream(qwen3_coder.parse_tool_call, tools), []
-    assert stream.update(calls, (), text[:30]) == []
+    stream, calls = ToolCallStream(mistral.parse_tool_call, tools), []
+    assert stream.update(calls, (), text[:20]) == []
     (update,) = stream.update(calls, (text,), "")
     assert (update.opened, update.done) == (True, True)
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}

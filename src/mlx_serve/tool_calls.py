@@ -6,10 +6,12 @@ name) as soon as its name is complete, and its arguments go out piece by piece, 
 the model writes them, up to the end of their JSON value. So a long call (a file's
 contents, say) reaches the client as it is written, not all at once at its end, and a
 whole reply carries the very same arguments as the stream. A call cut off by
-``max_tokens`` keeps the arguments written so far, as OpenAI's do.
+``max_tokens`` keeps the arguments written so far, as OpenAI's do. Calls in the XML
+format of ``qwen3_coder`` are followed too (``tool_calls_xml``).
 
-Any other format, or a JSON call written in another shape (``arguments`` first, a list of
-calls), is parsed by the model family's mlx-lm parser once complete and goes out whole.
+Any other format, or a call written in another shape (JSON with ``arguments`` first, a
+list of calls), is parsed by the model family's mlx-lm parser once complete and goes out
+whole.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from mlx_serve.tool_calls_xml import XmlCallScanner
 
 log = logging.getLogger(__name__)
 
@@ -129,26 +134,26 @@ class ToolCallStream:
     the one still open. Fills ``calls`` (the choice's OpenAI tool calls) and says what
     each delta changed."""
 
-    __slots__ = ("_parser", "_tools", "_follows", "_open", "_one", "cut_off")
+    __slots__ = ("_parser", "_tools", "_scanner", "_open", "_one", "cut_off")
 
     def __init__(self, parser: Any, tools: list[dict] | None, one_call: bool = False) -> None:
         """``one_call``: at most one call (``parallel_tool_calls`` false); the generation
         ends with the first span, and of a span holding several calls the first is kept."""
         self._parser, self._tools, self._one = parser, tools, one_call
+        self._scanner = _scanner_for(parser, tools)  # None: calls are parsed whole
         # Positions of calls whose span ended before their arguments did (max_tokens, a
         # stop string, an end-of-sequence token): kept as written, but not complete.
         self.cut_off: set[int] = set()
-        self._follows = is_json_tool_parser(parser)
-        self._open: JsonCallScanner | None = None
+        self._open: JsonCallScanner | XmlCallScanner | None = None
 
     def update(self, calls: list[dict], completed: tuple[str, ...], open_text: str
                ) -> list[CallUpdate]:
         updates = []
         for text in completed:
             updates += self._complete(calls, text)
-        if open_text and self._follows:
+        if open_text and self._scanner is not None:
             if self._open is None:
-                self._open = JsonCallScanner()
+                self._open = self._scanner()
             update = self._follow(calls, self._open, open_text, done=False)
             if update is not None and (update.opened or update.arguments):
                 updates.append(update)
@@ -156,8 +161,8 @@ class ToolCallStream:
 
     def _complete(self, calls: list[dict], text: str) -> list[CallUpdate]:
         scanner, self._open = self._open, None
-        if self._follows:
-            scanner = scanner or JsonCallScanner()
+        if self._scanner is not None:
+            scanner = scanner or self._scanner()
             update = self._follow(calls, scanner, text[len(scanner.text):], done=True)
             if update is not None:
                 if not scanner.ended:
@@ -173,8 +178,8 @@ class ToolCallStream:
                 for i, c in enumerate(parsed)]
 
     @staticmethod
-    def _follow(calls: list[dict], scanner: JsonCallScanner, piece: str, done: bool
-                ) -> CallUpdate | None:
+    def _follow(calls: list[dict], scanner: JsonCallScanner | XmlCallScanner, piece: str,
+                done: bool) -> CallUpdate | None:
         """Feed a followed call; None while (or if) its name is not known."""
         was_open = scanner.name is not None
         arguments = scanner.feed(piece)
@@ -184,6 +189,16 @@ class ToolCallStream:
             calls.append(new_call(scanner.name, ""))
         calls[-1]["function"]["arguments"] += arguments
         return CallUpdate(len(calls) - 1, not was_open, arguments, done)
+
+
+def _scanner_for(parser: Any, tools: list[dict] | None
+                 ) -> Callable[[], JsonCallScanner | XmlCallScanner] | None:
+    """What follows a call of this model family while it is written, if anything."""
+    if is_json_tool_parser(parser):
+        return JsonCallScanner
+    if getattr(parser, "__module__", "").endswith("qwen3_coder"):
+        return lambda: XmlCallScanner(parser, tools)
+    return None
 
 
 def _check_arguments(call: dict) -> None:

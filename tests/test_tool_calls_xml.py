@@ -1,0 +1,86 @@
+"""Calls in the qwen3_coder XML format followed while written: the streamed arguments are
+exactly the JSON text of what mlx-lm's parser makes of the whole call."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from mlx_lm.tool_parsers import qwen3_coder
+
+from mlx_serve.tool_calls import ToolCallStream
+from mlx_serve.tool_calls_xml import XmlCallScanner
+
+TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {
+    "type": "object", "properties": {
+        "path": {"type": "string"}, "count": {"type": "integer"},
+        "ratio": {"type": "number"}, "force": {"type": "boolean"},
+        "spec": {"type": "object"}, "items": {"type": "array"}, "any": {}}}}}]
+PIECES = ["a", "b", " ", "\n", "<", ">", "/", "</param", '"', "\\", "é", "{", "null",
+          "NULL", "</parameter", "parameter>", "x\n", "\t"]
+
+
+def value_for(rng: random.Random, name: str) -> str:
+    if name == "count":
+        return str(rng.randrange(-50, 1000))
+    if name == "ratio":
+        return rng.choice(["0.5", "3", "-2.25", "1e3"])
+    if name == "force":
+        return rng.choice(["true", "false", "True"])
+    if name in ("spec", "items", "any"):
+        return json.dumps(rng.choice([{"a": [1, "</x>"]}, [1, 2, {"b": None}], "text", 7]))
+    text = "".join(rng.choice(PIECES) for _ in range(rng.randrange(0, 12)))
+    if "</parameter>" in text or rng.random() < 0.1:
+        return rng.choice(["null", "Null", "nul", "nullable", ""])
+    return text
+
+
+def random_call(rng: random.Random) -> str:
+    names = rng.sample(["path", "count", "ratio", "force", "spec", "items", "any", "extra"],
+                       rng.randrange(0, 5))
+    parts = [rng.choice(["", "\n"]), "<function=edit>\n"]
+    for name in names:
+        parts.append(f"<parameter={name}>{rng.choice(['', chr(10)])}{value_for(rng, name)}"
+                     f"{rng.choice(['', chr(10)])}</parameter>\n")
+    parts.append("</function>\n")
+    return "".join(parts)
+
+
+def test_streamed_arguments_are_the_parsers_json_whatever_the_cuts():
+    rng = random.Random(11)
+    for _ in range(400):
+        text = random_call(rng)
+        expected = json.dumps(qwen3_coder.parse_tool_call(text, TOOLS)["arguments"],
+                              ensure_ascii=False)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(12))))
+        stream, calls, updates, at = ToolCallStream(qwen3_coder.parse_tool_call, TOOLS), [], [], 0
+        for cut in cuts:
+            updates += stream.update(calls, (), text[at:cut])
+            at = cut
+        updates += stream.update(calls, (text,), "")
+        (call,) = calls
+        assert call["function"] == {"name": "edit", "arguments": expected}, text
+        assert "".join(u.arguments for u in updates) == expected
+        assert [u.opened for u in updates].count(True) == 1 and updates[-1].done
+        assert stream.cut_off == set()
+
+
+def test_a_string_goes_out_as_it_is_written():
+    scanner = XmlCallScanner(qwen3_coder.parse_tool_call, TOOLS)
+    assert scanner.feed("<function=edi") == "" and scanner.name is None
+    assert scanner.feed("t>\n<parameter=path>\n") == '{"path": '
+    assert scanner.feed("src/ma") == '"src/ma'  # no longer a prefix of "null"
+    assert scanner.feed("in.py\n</param") == "in.py"  # the end may be the closing tag
+    assert scanner.feed("eter>\n") == '"'
+    assert scanner.feed("<parameter=count>\n4") == ', "count": '  # a number: whole
+    assert scanner.feed("2\n</parameter>\n</function>") == "42}"
+    assert scanner.ended
+
+
+def test_a_call_cut_off_mid_string_keeps_what_was_sent():
+    text = "<function=edit>\n<parameter=path>\nsrc/main.py is long"
+    stream, calls = ToolCallStream(qwen3_coder.parse_tool_call, TOOLS), []
+    updates = stream.update(calls, (), text[:40]) + stream.update(calls, (text,), "")
+    assert calls[0]["function"]["arguments"] == '{"path": "src/main.py is long'
+    assert "".join(u.arguments for u in updates) == calls[0]["function"]["arguments"]
+    assert stream.cut_off == {0}
