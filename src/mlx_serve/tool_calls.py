@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_serve.call_scanner import CallScanner
 from mlx_serve.tool_calls_xml import XmlCallScanner
 
 log = logging.getLogger(__name__)
 
 # The head of a JSON call, up to the first character of an object or array of arguments.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*([\[{])')
-_HEAD_LIMIT = 512  # characters: a call without that head in them is parsed at its end
 
 
 def is_json_tool_parser(parser: Any) -> bool:
@@ -72,38 +72,28 @@ class CallUpdate:
     done: bool  # the call is complete (or was cut off where the reply ended)
 
 
-class JsonCallScanner:
+class JsonCallScanner(CallScanner):
     """One JSON call as it is written: its name once complete, then the text of its
     arguments up to the end of their value (nesting followed outside strings)."""
 
-    __slots__ = ("text", "name", "_at", "_depth", "_in_string", "_escaped", "ended",
-                 "_gave_up")
+    __slots__ = ("_at", "_depth", "_in_string", "_escaped")
 
     def __init__(self) -> None:
-        self.text = ""
-        self.name: str | None = None
+        super().__init__()
         self._at = 0  # the next character of ``text`` to read as arguments
         self._depth = 0
-        self._in_string = self._escaped = self._gave_up = False
-        self.ended = False  # the arguments' value is complete
+        self._in_string = self._escaped = False
 
-    def feed(self, piece: str) -> str:
-        """Take more of the call's text; return the argument text it adds."""
-        self.text += piece
-        if self.name is None:
-            if self._gave_up:
-                return ""
-            head = _HEAD.match(self.text)
-            if head is None:
-                self._gave_up = len(self.text) > _HEAD_LIMIT
-                return ""
-            try:
-                self.name = json.loads(f'"{head.group(1)}"')
-            except ValueError:
-                self._gave_up = True
-                return ""
-            self._at = head.start(2)
-        return self._scan()
+    def _find_head(self) -> re.Match[str] | None:
+        return _HEAD.match(self.text)
+
+    def _opened(self, head: re.Match[str]) -> str | None:
+        try:
+            self.name = json.loads(f'"{head.group(1)}"')
+        except ValueError:
+            return None
+        self._at = head.start(2)
+        return ""
 
     def _scan(self) -> str:
         text, start = self.text, self._at

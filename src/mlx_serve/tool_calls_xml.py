@@ -28,11 +28,12 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from mlx_serve.call_scanner import CallScanner
+
 _FUNCTION = re.compile(r"\s*<function=\s*([^\s<>]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=\s*([^\s<>]+)>")
 _CLOSE_PARAMETER = "</parameter>"
 _CLOSE_FUNCTION = "</function>"
-_HEAD_LIMIT = 512  # characters: a call whose head is not in them is parsed at its end
 
 
 def _is_string(name: str, config: dict, rules: ModuleType) -> bool:
@@ -48,18 +49,16 @@ def _escaped(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
-class XmlCallScanner:
+class XmlCallScanner(CallScanner):
     """One call as it is written: its name, then the JSON text of its arguments."""
 
-    __slots__ = ("text", "name", "ended", "_rules", "_tools", "_config", "_at", "_param",
-                 "_value_at", "_opened_string", "_params", "_gave_up")
+    __slots__ = ("_rules", "_tools", "_config", "_at", "_param", "_value_at",
+                 "_opened_string", "_params")
 
     def __init__(self, parser: Any, tools: list[dict] | None) -> None:
         """``parser``: the model's mlx-lm parse function, whose module has the rules."""
+        super().__init__()
         self._rules = sys.modules[parser.__module__]
-        self.text = ""
-        self.name: str | None = None
-        self.ended = False  # the function closed: the arguments are complete
         self._tools = tools
         self._config: dict = {}
         self._at = 0  # where the next tag is looked for
@@ -67,23 +66,15 @@ class XmlCallScanner:
         self._value_at = 0  # where that value starts
         self._opened_string = False  # its opening quote has gone out
         self._params = 0
-        self._gave_up = False
 
-    def feed(self, piece: str) -> str:
-        """Take more of the call's text; return the argument text it adds."""
-        self.text += piece
-        if self.name is None:
-            if self._gave_up:
-                return ""
-            head = _FUNCTION.search(self.text)
-            if head is None:
-                self._gave_up = len(self.text) > _HEAD_LIMIT
-                return ""
-            self.name = head.group(1)
-            self._config = self._rules._get_arguments_config(self.name, self._tools)
-            self._at = head.end()
-            return "{" + self._scan()
-        return self._scan()
+    def _find_head(self) -> re.Match[str] | None:
+        return _FUNCTION.search(self.text)
+
+    def _opened(self, head: re.Match[str]) -> str | None:
+        self.name = head.group(1)
+        self._config = self._rules._get_arguments_config(self.name, self._tools)
+        self._at = head.end()
+        return "{"
 
     def _scan(self) -> str:
         out = []
