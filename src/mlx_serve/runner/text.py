@@ -98,7 +98,7 @@ class TextPipeline:
                 content.append(piece)
             self._prev = name
         if finish is not None and self._prev == "tool" and self._tool_text:
-            calls.append(self._tool_text)  # cut off mid-call: the parser decides
+            calls.append(self._tool_text)  # cut off mid-call: kept as far as it was written
             self._tool_text, reported = "", 0
         return TextPiece("".join(content), "".join(reasoning), tuple(calls), finish,
                          self._tool_text[reported:])
