@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 
-from mlx_lm.tool_parsers import qwen3_coder
+from mlx_lm.tool_parsers import glm47, qwen3_coder
 
 from mlx_serve.tool_calls import ToolCallStream
 from mlx_serve.tool_calls_xml import XmlCallScanner
@@ -46,14 +46,15 @@ def random_call(rng: random.Random) -> str:
     return "".join(parts)
 
 
-def test_streamed_arguments_are_the_parsers_json_whatever_the_cuts():
-    rng = random.Random(11)
+def check_against_the_parser(parser, tools, make_call, seed: int) -> None:
+    """Random calls fed in random pieces: the streamed arguments must be exactly the JSON
+    of the parser's arguments for the whole call, announced once, done at the end."""
+    rng = random.Random(seed)
     for _ in range(400):
-        text = random_call(rng)
-        expected = json.dumps(qwen3_coder.parse_tool_call(text, TOOLS)["arguments"],
-                              ensure_ascii=False)
+        text = make_call(rng)
+        expected = json.dumps(parser(text, tools)["arguments"], ensure_ascii=False)
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(12))))
-        stream, calls, updates, at = ToolCallStream(qwen3_coder.parse_tool_call, TOOLS), [], [], 0
+        stream, calls, updates, at = ToolCallStream(parser, tools), [], [], 0
         for cut in cuts:
             updates += stream.update(calls, (), text[at:cut])
             at = cut
@@ -63,6 +64,10 @@ def test_streamed_arguments_are_the_parsers_json_whatever_the_cuts():
         assert "".join(u.arguments for u in updates) == expected
         assert [u.opened for u in updates].count(True) == 1 and updates[-1].done
         assert stream.cut_off == set()
+
+
+def test_streamed_arguments_are_the_parsers_json_whatever_the_cuts():
+    check_against_the_parser(qwen3_coder.parse_tool_call, TOOLS, random_call, seed=11)
 
 
 def test_a_string_goes_out_as_it_is_written():
@@ -83,4 +88,45 @@ def test_a_call_cut_off_mid_string_keeps_what_was_sent():
     updates = stream.update(calls, (), text[:40]) + stream.update(calls, (text,), "")
     assert calls[0]["function"]["arguments"] == '{"path": "src/main.py is long'
     assert "".join(u.arguments for u in updates) == calls[0]["function"]["arguments"]
+    assert stream.cut_off == {0}
+
+
+# -- GLM-4.5-4.7's format (glm47): <arg_key>/<arg_value> pairs, no closing tag ------------
+
+GLM_TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {
+    "type": "object", "properties": {
+        "path": {"type": "string"}, "count": {"type": "integer"},
+        "spec": {"type": "object"}, "flag": {"type": "boolean"}}}}}]
+GLM_PIECES = ["a", " ", "\n", "<", ">", "/", "</arg_val", '"', "\\", "é", "{", "  x", "\t"]
+
+
+def glm_value(rng: random.Random, name: str) -> str:
+    if name == "count":
+        return rng.choice(["3", " 42 ", "-7", "1.5", "x"])
+    if name == "spec":
+        return rng.choice(['{"a": [1, 2]}', "[1, 'two']", "not json", " {} "])
+    if name == "flag":
+        return rng.choice(["true", "True", "false", "null"])
+    return "".join(rng.choice(GLM_PIECES) for _ in range(rng.randrange(0, 12)))
+
+
+def random_glm_call(rng: random.Random) -> str:
+    names = rng.sample(["path", "count", "spec", "flag", "extra"], rng.randrange(1, 5))
+    parts = ["edit", rng.choice(["\n", " ", ""])]
+    for name in names:
+        value = glm_value(rng, name).replace("</arg_value>", "")
+        parts.append(f"<arg_key>{name}</arg_key>{rng.choice(['', chr(10), ' '])}"
+                     f"<arg_value>{value}</arg_value>{rng.choice(['', chr(10)])}")
+    return "".join(parts)
+
+
+def test_glm_arguments_stream_as_the_parsers_json_whatever_the_cuts():
+    check_against_the_parser(glm47.parse_tool_call, GLM_TOOLS, random_glm_call, seed=5)
+
+
+def test_a_glm_call_cut_off_inside_a_value_is_incomplete():
+    text = "edit\n<arg_key>path</arg_key>\n<arg_value>src/main"
+    stream, calls = ToolCallStream(glm47.parse_tool_call, GLM_TOOLS), []
+    stream.update(calls, (text,), "")
+    assert calls[0]["function"]["arguments"] == '{"path": "src/main'
     assert stream.cut_off == {0}

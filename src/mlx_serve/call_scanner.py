@@ -38,6 +38,11 @@ class CallScanner:
             return ""
         return first + self._scan()
 
+    def finish(self) -> str:
+        """The call's span is complete: argument text that only its end releases (a
+        format whose arguments have no closing tag of their own)."""
+        return ""
+
     def _find_head(self) -> re.Match[str] | None:
         raise NotImplementedError
 

@@ -6,8 +6,8 @@ name) as soon as its name is complete, and its arguments go out piece by piece, 
 the model writes them, up to the end of their JSON value. So a long call (a file's
 contents, say) reaches the client as it is written, not all at once at its end, and a
 whole reply carries the very same arguments as the stream. A call cut off by
-``max_tokens`` keeps the arguments written so far, as OpenAI's do. Calls in the XML
-format of ``qwen3_coder`` are followed too (``tool_calls_xml``).
+``max_tokens`` keeps the arguments written so far, as OpenAI's do. Calls in the tagged
+formats of ``qwen3_coder`` and ``glm47`` are followed too (``tool_calls_xml``).
 
 Any other format, or a call written in another shape (JSON with ``arguments`` first, a
 list of calls), is parsed by the model family's mlx-lm parser once complete and goes out
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_serve.call_scanner import CallScanner
-from mlx_serve.tool_calls_xml import XmlCallScanner
+from mlx_serve.tool_calls_xml import GlmCallScanner, XmlCallScanner
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class ToolCallStream:
         # Positions of calls whose span ended before their arguments did (max_tokens, a
         # stop string, an end-of-sequence token): kept as written, but not complete.
         self.cut_off: set[int] = set()
-        self._open: JsonCallScanner | XmlCallScanner | None = None
+        self._open: CallScanner | None = None
 
     def update(self, calls: list[dict], completed: tuple[str, ...], open_text: str
                ) -> list[CallUpdate]:
@@ -155,6 +155,9 @@ class ToolCallStream:
             scanner = scanner or self._scanner()
             update = self._follow(calls, scanner, text[len(scanner.text):], done=True)
             if update is not None:
+                if (tail := scanner.finish()):
+                    update.arguments += tail
+                    calls[update.position]["function"]["arguments"] += tail
                 if not scanner.ended:
                     self.cut_off.add(update.position)
                 _check_arguments(calls[update.position])
@@ -168,7 +171,7 @@ class ToolCallStream:
                 for i, c in enumerate(parsed)]
 
     @staticmethod
-    def _follow(calls: list[dict], scanner: JsonCallScanner | XmlCallScanner, piece: str,
+    def _follow(calls: list[dict], scanner: CallScanner, piece: str,
                 done: bool) -> CallUpdate | None:
         """Feed a followed call; None while (or if) its name is not known."""
         was_open = scanner.name is not None
@@ -182,12 +185,15 @@ class ToolCallStream:
 
 
 def _scanner_for(parser: Any, tools: list[dict] | None
-                 ) -> Callable[[], JsonCallScanner | XmlCallScanner] | None:
+                 ) -> Callable[[], CallScanner] | None:
     """What follows a call of this model family while it is written, if anything."""
     if is_json_tool_parser(parser):
         return JsonCallScanner
-    if getattr(parser, "__module__", "").endswith("qwen3_coder"):
+    module = getattr(parser, "__module__", "")
+    if module.endswith("qwen3_coder"):
         return lambda: XmlCallScanner(parser, tools)
+    if module.endswith("glm47"):
+        return lambda: GlmCallScanner(parser, tools)
     return None
 
 

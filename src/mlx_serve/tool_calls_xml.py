@@ -1,5 +1,6 @@
-"""A tool call in the XML format of Qwen3-Coder and later Qwen models (mlx-lm's
-``qwen3_coder`` parser), followed while it is written:
+"""Tool calls in tagged formats, followed while they are written: GLM-4.5-4.7's
+(``GlmCallScanner``, below) and the XML format of Qwen3-Coder and later Qwen models
+(mlx-lm's ``qwen3_coder`` parser):
 
     <function=write_file>
     <parameter=path>
@@ -25,23 +26,14 @@ from __future__ import annotations
 import json
 import re
 import sys
-from types import ModuleType
 from typing import Any
 
 from mlx_serve.call_scanner import CallScanner
 
 _FUNCTION = re.compile(r"\s*<function=\s*([^\s<>]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=\s*([^\s<>]+)>")
-_CLOSE_PARAMETER = "</parameter>"
 _CLOSE_FUNCTION = "</function>"
-
-
-def _is_string(name: str, config: dict, rules: ModuleType) -> bool:
-    """Whether the parser keeps this parameter's value as text (``null`` aside)."""
-    param = config.get(name)
-    if not param:
-        return True
-    return "type" in param and str(param["type"]).strip().lower() in rules._string_types
+_ARG_KEY = re.compile(r"<arg_key>(.*?)</arg_key>(?:\\n|\s)*<arg_value>", re.DOTALL)
 
 
 def _escaped(text: str) -> str:
@@ -49,23 +41,90 @@ def _escaped(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
-class XmlCallScanner(CallScanner):
-    """One call as it is written: its name, then the JSON text of its arguments."""
+def _held(value: str, tag: str) -> int:
+    """How many of a value's last characters may be the start of its closing tag."""
+    for keep in range(min(len(tag), len(value)), 0, -1):
+        if tag.startswith(value[-keep:]):
+            return keep
+    return 0
 
-    __slots__ = ("_rules", "_tools", "_config", "_at", "_param", "_value_at",
-                 "_opened_string", "_params")
+
+class _TaggedCallScanner(CallScanner):
+    """What both tagged formats share: parameters one after another, each a key, then a
+    value up to ``CLOSE``; a string value streams as it comes, any other goes out whole
+    once its tag closes. Subclasses say which values are strings, what of a string's
+    text may go out yet, and what a closed value reads as."""
+
+    CLOSE = ""
+    __slots__ = ("_rules", "_tools", "_at", "_param", "_value_at", "_opened_string",
+                 "_params")
 
     def __init__(self, parser: Any, tools: list[dict] | None) -> None:
         """``parser``: the model's mlx-lm parse function, whose module has the rules."""
         super().__init__()
         self._rules = sys.modules[parser.__module__]
         self._tools = tools
-        self._config: dict = {}
         self._at = 0  # where the next tag is looked for
         self._param: str | None = None  # the parameter whose value is being read
-        self._value_at = 0  # where that value starts
+        self._value_at = 0  # where the part of that value not sent yet starts
         self._opened_string = False  # its opening quote has gone out
         self._params = 0
+
+    def _start(self, name: str, value_at: int) -> str:
+        """A parameter's key is complete: its JSON key goes out."""
+        self._param, self._opened_string, self._value_at = name, False, value_at
+        self._params += 1
+        return (", " if self._params > 1 else "") + json.dumps(name) + ": "
+
+    def _value(self) -> tuple[str, bool]:
+        """What of the current value can go out now, and whether it closed."""
+        assert self._param is not None
+        value = self.text[self._value_at:]
+        end = value.find(self.CLOSE)
+        if end >= 0:
+            self._at = self._value_at + end + len(self.CLOSE)
+            piece = self._closing(value[:end])
+            self._param = None
+            return piece, True
+        if not self._is_string(self._param):
+            return "", False
+        safe, body = self._streamable(value)
+        if not self._opened_string:
+            if not self._may_open(body):
+                return "", False
+            self._opened_string = True
+            self._value_at += len(safe)
+            return '"' + _escaped(body), False
+        self._value_at += len(safe)
+        return _escaped(safe), False
+
+    def _is_string(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def _streamable(self, value: str) -> tuple[str, str]:
+        """Of a string's text not sent yet: what may go out (``safe``), and that text
+        less what the parser trims at a value's start (the first piece's ``body``)."""
+        raise NotImplementedError
+
+    def _may_open(self, body: str) -> bool:
+        return bool(body)
+
+    def _closing(self, rest: str) -> str:
+        """A closed value's JSON, given its text not sent yet."""
+        raise NotImplementedError
+
+
+class XmlCallScanner(_TaggedCallScanner):
+    """A Qwen3-Coder call: ``<function=NAME>``, ``<parameter=NAME>`` tags, ``</function>``.
+    The parser drops one newline at each end of a value, reads ``null`` as null, and keeps
+    as text a parameter typed as a string or not in the schema."""
+
+    CLOSE = "</parameter>"
+    __slots__ = ("_config",)
+
+    def __init__(self, parser: Any, tools: list[dict] | None) -> None:
+        super().__init__(parser, tools)
+        self._config: dict = {}
 
     def _find_head(self) -> re.Match[str] | None:
         return _FUNCTION.search(self.text)
@@ -88,10 +147,7 @@ class XmlCallScanner(CallScanner):
             rest = self.text[self._at:]
             tag = _PARAMETER.match(rest)
             if tag is not None:
-                self._param, self._opened_string = tag.group(1), False
-                self._value_at = self._at + tag.end()
-                out.append((", " if self._params else "") + json.dumps(self._param) + ": ")
-                self._params += 1
+                out.append(self._start(tag.group(1), self._at + tag.end()))
                 continue
             if rest.lstrip().startswith(_CLOSE_FUNCTION):
                 self.ended = True
@@ -99,38 +155,28 @@ class XmlCallScanner(CallScanner):
             break  # more text is needed to know what comes next
         return "".join(out)
 
-    def _value(self) -> tuple[str, bool]:
-        """What of the current value can go out now, and whether it closed."""
-        assert self._param is not None
-        value = self.text[self._value_at:]
-        end = value.find(_CLOSE_PARAMETER)
-        if end >= 0:
-            self._at = self._value_at + end + len(_CLOSE_PARAMETER)
-            piece = self._closing(value[:end])
-            self._param = None
-            return piece, True
-        if not _is_string(self._param, self._config, self._rules):
-            return "", False
-        # A string's text so far, less what may yet be the closing tag or the newline
-        # the parser drops before it, and its leading newline.
-        safe = _safe_prefix(value)
-        body = safe[1:] if safe.startswith("\n") else safe
-        if not self._opened_string:
-            if "null".startswith(body.lower()) and len(body) <= 4:
-                return "", False  # it may yet be null
-            self._opened_string = True
-            self._value_at += len(safe)
-            return '"' + _escaped(body), False
-        self._value_at += len(safe)
-        return _escaped(safe), False
+    def _is_string(self, name: str) -> bool:
+        param = self._config.get(name)
+        if not param:
+            return True
+        return ("type" in param
+                and str(param["type"]).strip().lower() in self._rules._string_types)
+
+    def _streamable(self, value: str) -> tuple[str, str]:
+        # What may yet be the closing tag, or the newline dropped before it, waits.
+        keep = max(_held(value, "\n" + self.CLOSE), _held(value, self.CLOSE))
+        safe = value[:len(value) - keep]
+        return safe, safe[1:] if safe.startswith("\n") else safe
+
+    def _may_open(self, body: str) -> bool:
+        return not ("null".startswith(body.lower()) and len(body) <= 4)  # null yet?
 
     def _closing(self, rest: str) -> str:
-        """The rest of a value whose tag closed (``rest``: its text not sent yet): the
-        end of a string streamed so far, or the value converted whole."""
         assert self._param is not None
         if self._opened_string:  # the parser drops one newline before the tag
             return _escaped(rest[:-1] if rest.endswith("\n") else rest) + '"'
-        whole = _trimmed(rest)
+        whole = rest[1:] if rest.startswith("\n") else rest
+        whole = whole[:-1] if whole.endswith("\n") else whole
         if whole.lower() == "null":
             return "null"
         try:
@@ -140,19 +186,64 @@ class XmlCallScanner(CallScanner):
         return json.dumps(value, ensure_ascii=False)
 
 
-def _trimmed(value: str) -> str:
-    """A value as the parser keeps it: one leading and one trailing newline dropped."""
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
+class GlmCallScanner(_TaggedCallScanner):
+    """A call in GLM-4.5-4.7's format (mlx-lm's ``glm47`` parser): the function's name,
+    then ``<arg_key>k</arg_key><arg_value>v</arg_value>`` pairs, and no closing tag of
+    its own (the span's end closes it). The name is known at the first ``<arg_key>``; a
+    value is stripped; a parameter the schema types ``string`` stays text, any other is
+    read by the parser's ``_deserialize``."""
 
+    CLOSE = "</arg_value>"
+    __slots__ = ("_strings",)
 
-def _safe_prefix(value: str) -> str:
-    """The part of a value's text that cannot belong to its ending ("\\n</parameter>")."""
-    ending = "\n" + _CLOSE_PARAMETER
-    for keep in range(min(len(ending), len(value)), 0, -1):
-        if ending.startswith(value[-keep:]) or _CLOSE_PARAMETER.startswith(value[-keep:]):
-            return value[:-keep]
-    return value
+    def __init__(self, parser: Any, tools: list[dict] | None) -> None:
+        super().__init__(parser, tools)
+        self._strings: set[str] = set()
+
+    def _find_head(self) -> re.Match[str] | None:
+        return re.search("<arg_key>", self.text)
+
+    def _opened(self, head: re.Match[str]) -> str | None:
+        name = self.text[:head.start()].strip()
+        if not name:
+            return None
+        self.name = name
+        self._strings = self._rules._get_string_arg_names(name, self._tools)
+        self._at = head.start()
+        return "{"
+
+    def finish(self) -> str:
+        if self.name is None or self._param is not None or self.ended:
+            return ""  # cut off inside a value: not complete
+        self.ended = True
+        return "}"
+
+    def _scan(self) -> str:
+        out = []
+        while True:
+            if self._param is not None:
+                piece, closed = self._value()
+                out.append(piece)
+                if not closed:
+                    break
+            pair = _ARG_KEY.search(self.text, self._at)
+            if pair is None:
+                break
+            out.append(self._start(pair.group(1).strip(), pair.end()))
+        return "".join(out)
+
+    def _is_string(self, name: str) -> bool:
+        return name in self._strings
+
+    def _streamable(self, value: str) -> tuple[str, str]:
+        # What may yet be the closing tag, or trailing space the parser strips, waits.
+        safe = value[:len(value) - _held(value, self.CLOSE)]
+        safe = safe[:len(safe.rstrip())]
+        return safe, safe.lstrip()
+
+    def _closing(self, rest: str) -> str:
+        if self._opened_string:
+            return _escaped(rest.rstrip()) + '"'
+        if self._param in self._strings:
+            return json.dumps(rest.strip(), ensure_ascii=False)
+        return json.dumps(self._rules._deserialize(rest.strip()), ensure_ascii=False)
