@@ -1,24 +1,22 @@
-"""Tool calls in tagged formats, followed while they are written: GLM-4.5-4.7's
-(``GlmCallScanner``, below) and the XML format of Qwen3-Coder and later Qwen models
-(mlx-lm's ``qwen3_coder`` parser):
+"""Tool calls in tagged formats, followed while they are written: the XML of
+Qwen3-Coder and later Qwen models (mlx-lm's ``qwen3_coder`` parser) and GLM-4.5-4.7's
+pairs (``glm47``):
 
-    <function=write_file>
-    <parameter=path>
-    a.txt
-    </parameter>
-    <parameter=content>
+    <function=write_file>                    write_file
+    <parameter=path>                         <arg_key>path</arg_key>
+    a.txt                                    <arg_value>a.txt</arg_value>
+    </parameter>                             <arg_key>content</arg_key>
+    <parameter=content>                      <arg_value>...</arg_value>
     ...
     </parameter>
     </function>
 
-The call is announced once ``<function=NAME>`` is complete. Its arguments go out as the
-JSON object the parser makes of them (``json.dumps`` of its dict, so a whole reply and
-the stream carry the same text): each parameter's key when its tag is complete, a
-string's characters as they come (the parser's typing makes it a string: a ``string``
-type in the tool's schema, or a parameter the schema does not name), any other value
-once its tag closes, converted by the parser's own rules: those of the module the
-model's parser comes from (mlx-lm's ``tool_parsers.qwen3_coder``), taken from it at run
-time, as only the runner imports mlx-lm.
+A call is announced once its name is known. Its arguments go out as the JSON object
+the parser makes of them (``json.dumps`` of its dict, so a whole reply and the stream
+carry the same text): each parameter's key when its tag is complete, a string's
+characters as they come, any other value once its tag closes, typed and converted by
+the parser's own rules: those of the module the model's parser comes from, taken from
+it at run time, as only the runner imports mlx-lm.
 """
 
 from __future__ import annotations
