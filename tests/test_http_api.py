@@ -414,3 +414,20 @@ def test_top_k_larger_than_the_vocabulary_is_answered(server):
         assert response.status_code in (200, 400), response.text
         after = c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 3})
         assert after.status_code == 200
+
+
+def test_vllm_fields_that_change_the_output_are_honoured_or_a_400(client, server):
+    common = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30,
+              "temperature": 0, "logit_bias": NO_EOS}
+    plain = client.completions.create(**common).choices[0].text
+    stop = plain[len(plain) // 2:][:2]  # text the greedy reply writes
+    cut = client.completions.create(**common, stop=[stop]).choices[0]
+    kept = client.completions.create(**common, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert cut.finish_reason == kept.finish_reason == "stop"
+    assert kept.text == cut.text + stop and plain.startswith(kept.text)
+    for field, value in (("use_beam_search", True), ("bad_words", ["x"]),
+                         ("allowed_token_ids", [1, 2]), ("truncate_prompt_tokens", 8)):
+        reply = httpx.post(server.base_url + "/v1/completions", timeout=TIMEOUT,
+                           json={**common, field: value})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field

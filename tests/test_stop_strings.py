@@ -34,3 +34,16 @@ def test_text_that_may_start_a_stop_is_held_back_until_decided():
     m = StopStringMatcher(("</s>",))
     assert m.feed("abc</") == ("abc", False)
     assert m.feed("x") == ("</x", False)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "expected"),
+    [
+        (["Hello", " wor", "ld", "!"], ("world",), "Hello world"),
+        (["fo", "o", "bar"], ("bar", "oob"), "foob"),  # the earliest match, whole
+        (["abcd"], ("bc", "b"), "abc"),  # two at one place: the first listed
+    ],
+)
+def test_included_stop_strings_end_the_text(pieces, stops, expected):
+    # vLLM's include_stop_str_in_output
+    assert feed_all(StopStringMatcher(stops, include=True), pieces) == (expected, True)

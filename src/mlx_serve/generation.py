@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # end-of-sequence tokens do not end the reply
     min_tokens: int = 0  # no end before this many tokens (EOS and stop ids masked)
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string is kept
 
     @property
     def has_logits_processors(self) -> bool:

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 UNSUPPORTED_FIELDS = frozenset({
     "audio", "modalities", "prediction", "web_search_options",
     "functions", "function_call", "verbosity",
+    # vLLM's, which its clients send in extra_body
+    "use_beam_search", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
 })
 # Template arguments a client may pass through ``chat_template_kwargs``. ``tokenize`` and
 # friends are ours to decide; anything unknown would be silently meaningless.
@@ -52,6 +54,8 @@ class _Request(BaseModel):
     # end-of-sequence token; end no earlier than min_tokens (no EOS, stop id or stop string).
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    # vLLM extension: the matched stop string ends the reply's text instead of being cut.
+    include_stop_str_in_output: bool = False
     # vLLM extension: the prompt's own tokens scored, each with this many alternatives.
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # vLLM's structured outputs, and the older fields for them (guided.py).

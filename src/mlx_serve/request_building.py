@@ -128,6 +128,7 @@ def sampling_params(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
     )
 
 

@@ -1,32 +1,34 @@
 """Stop-string matching on streamed text, across token boundaries.
 
 Text that could still be the start of a stop string is held back until the next piece
-of text decides it, so a stop string never leaks into the output and nothing after it
-is emitted.
+of text decides it, so a stop string never leaks into the output (unless it is asked to
+end it) and nothing after it is emitted.
 """
 
 from __future__ import annotations
 
 
 class StopStringMatcher:
-    __slots__ = ("_stops", "_held", "_longest")
+    __slots__ = ("_stops", "_held", "_longest", "_include")
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
+        """``include``: the matched stop string ends the output rather than being left
+        out (vLLM's ``include_stop_str_in_output``)."""
         self._stops = tuple(s for s in stops if s)
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
+        self._include = include
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add decoded text; return (text safe to emit, whether a stop string matched)."""
         if not self._stops:
             return text, False
         pending = self._held + text
-        first = min(
-            (i for i in (pending.find(s) for s in self._stops) if i >= 0), default=-1
-        )
-        if first >= 0:
+        hits = [(at, stop) for stop in self._stops if (at := pending.find(stop)) >= 0]
+        if hits:
+            first, stop = min(hits, key=lambda hit: hit[0])  # ties: the first listed
             self._held = ""
-            return pending[:first], True
+            return pending[:first + len(stop) if self._include else first], True
         keep = self._partial_suffix(pending)
         self._held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False

@@ -35,7 +35,8 @@ class TextPipeline:
         self._detok = detokenizer
         if request.output.keep_leading_space:
             _keep_leading_space(detokenizer)
-        self._stops = StopStringMatcher(request.params.stop)
+        self._stops = StopStringMatcher(request.params.stop,
+                                        request.params.include_stop_str_in_output)
         # As vLLM: stop strings count only in the text of tokens after min_tokens.
         self._unchecked = request.params.min_tokens
         self._hidden = hidden
