@@ -115,10 +115,13 @@ class _OutputItems:
         """A function call's events: the item when it opens, its arguments as they are
         written, and the whole call when it is done. Calls follow the message."""
         assert self.message_at is not None
-        item = function_call_item(self.choice.tool_calls[update.position],
-                                  self.choice.call_complete(update.position))
+        call = self.choice.tool_calls[update.position]
         index = self.message_at + 1 + update.position
-        where = {"item_id": item["id"], "output_index": index}
+        where = {"item_id": f"fc_{call['id']}", "output_index": index}
+        if not (update.opened or update.done):  # most updates: a piece of arguments
+            return [self.event("response.function_call_arguments.delta", **where,
+                               delta=update.arguments)] if update.arguments else []
+        item = function_call_item(call, self.choice.call_complete(update.position))
         frames = []
         if update.opened:
             frames.append(self.event("response.output_item.added", output_index=index,

@@ -29,7 +29,7 @@ class StopStringMatcher:
             first, stop = min(hits, key=lambda hit: hit[0])  # ties: the first listed
             self._held = ""
             return pending[:first + len(stop) if self._include else first], True
-        keep = self._partial_suffix(pending)
+        keep = held_back(pending, self._stops, self._longest)
         self._held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False
 
@@ -38,10 +38,12 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _partial_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
-        for size in range(min(len(text), self._longest - 1), 0, -1):
-            tail = text[-size:]
-            if any(s.startswith(tail) for s in self._stops):
-                return size
-        return 0
+
+def held_back(text: str, ends: tuple[str, ...], longest: int) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``ends``
+    (``longest``: the longest of them): text that may yet turn out to begin one."""
+    for size in range(min(len(text), longest - 1), 0, -1):
+        tail = text[-size:]
+        if any(end.startswith(tail) for end in ends):
+            return size
+    return 0

@@ -44,21 +44,19 @@ def new_call(name: str, arguments: str, call_id: str | None = None) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tool_calls(parser: Any, tools: list[dict] | None, texts: tuple[str, ...]
-                     ) -> list[dict]:
-    """Raw tool-call spans -> OpenAI tool calls, using the model family's mlx-lm parser."""
+def parse_tool_calls(parser: Any, tools: list[dict] | None, text: str) -> list[dict]:
+    """A raw tool-call span -> OpenAI tool calls, using the model family's mlx-lm parser."""
+    try:
+        parsed = parser(text, tools)
+    except (ValueError, KeyError, TypeError) as exc:  # e.g. cut off by max_tokens
+        log.warning("could not parse a tool call (%s): %.200r", exc, text)
+        return []
     calls = []
-    for text in texts:
-        try:
-            parsed = parser(text, tools)
-        except (ValueError, KeyError, TypeError) as exc:  # e.g. cut off by max_tokens
-            log.warning("could not parse a tool call (%s): %.200r", exc, text)
-            continue
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            arguments = call.get("arguments", {})
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            calls.append(new_call(call["name"], arguments, call.get("id")))
+    for call in parsed if isinstance(parsed, list) else [parsed]:
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(new_call(call["name"], arguments, call.get("id")))
     return calls
 
 
@@ -162,7 +160,7 @@ class ToolCallStream:
                     self.cut_off.add(update.position)
                 _check_arguments(calls[update.position])
                 return [update]
-        parsed = parse_tool_calls(self._parser, self._tools, (text,))
+        parsed = parse_tool_calls(self._parser, self._tools, text)
         if self._one:
             parsed = parsed[:max(0, 1 - len(calls))]
         calls += parsed

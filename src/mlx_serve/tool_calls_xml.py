@@ -27,6 +27,7 @@ import sys
 from typing import Any
 
 from mlx_serve.call_scanner import CallScanner
+from mlx_serve.stop_strings import held_back
 
 _FUNCTION = re.compile(r"\s*<function=\s*([^\s<>]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=\s*([^\s<>]+)>")
@@ -37,14 +38,6 @@ _ARG_KEY = re.compile(r"<arg_key>(.*?)</arg_key>(?:\\n|\s)*<arg_value>", re.DOTA
 def _escaped(text: str) -> str:
     """Characters as they read inside a JSON string (per character: pieces join up)."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
-
-
-def _held(value: str, tag: str) -> int:
-    """How many of a value's last characters may be the start of its closing tag."""
-    for keep in range(min(len(tag), len(value)), 0, -1):
-        if tag.startswith(value[-keep:]):
-            return keep
-    return 0
 
 
 class _TaggedCallScanner(CallScanner):
@@ -162,8 +155,8 @@ class XmlCallScanner(_TaggedCallScanner):
 
     def _streamable(self, value: str) -> tuple[str, str]:
         # What may yet be the closing tag, or the newline dropped before it, waits.
-        keep = max(_held(value, "\n" + self.CLOSE), _held(value, self.CLOSE))
-        safe = value[:len(value) - keep]
+        ends = ("\n" + self.CLOSE, self.CLOSE)
+        safe = value[:len(value) - held_back(value, ends, len(ends[0]))]
         return safe, safe[1:] if safe.startswith("\n") else safe
 
     def _may_open(self, body: str) -> bool:
@@ -235,7 +228,7 @@ class GlmCallScanner(_TaggedCallScanner):
 
     def _streamable(self, value: str) -> tuple[str, str]:
         # What may yet be the closing tag, or trailing space the parser strips, waits.
-        safe = value[:len(value) - _held(value, self.CLOSE)]
+        safe = value[:len(value) - held_back(value, (self.CLOSE,), len(self.CLOSE))]
         safe = safe[:len(safe.rstrip())]
         return safe, safe.lstrip()
 
