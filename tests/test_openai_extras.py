@@ -154,6 +154,24 @@ def test_ignore_eos_goes_on_to_max_tokens_without_showing_the_eos(client):
         assert (text, finish, tokens) == ("", "length", 6)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens_decides_whether_they_show(client, skip):
+    forced = {"1": 100}  # <|im_start|> every token
+    reply = client.completions.create(model="tiny", prompt="Once", max_tokens=3, temperature=0,
+                                      logit_bias=forced, logprobs=0,
+                                      extra_body={"skip_special_tokens": skip})
+    choice = reply.choices[0]
+    assert reply.usage.completion_tokens == 3
+    assert choice.logprobs.tokens == ["<|im_start|>"] * 3  # the tokens are reported either way
+    assert choice.text == ("" if skip else "<|im_start|>" * 3)
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logit_bias=forced, stream=True,
+        extra_body={"skip_special_tokens": skip})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == ("" if skip else "<|im_start|>" * 3)
+
+
 def test_stop_strings_count_only_after_min_tokens(client):
     prompt, m = "Once upon a time", 3  # its 5 greedy tokens' texts join into its text
 

@@ -51,6 +51,7 @@ class OutputOptions:
     initial_state: str = "normal"  # "reasoning" when the prompt opened a thinking span
     keep_leading_space: bool = False  # chat replies drop the first token's space
     one_tool_call: bool = False  # end the reply where its first tool call ends
+    skip_special_tokens: bool = True  # vLLM's: special tokens add no text (special_tokens.py)
     # The prompt's own tokens scored too (completions' echo with logprobs, vLLM's
     # prompt_logprobs), each with this many alternatives (None: off); with prompt_ranks
     # each token's rank in the vocabulary as well (vLLM's format has it).

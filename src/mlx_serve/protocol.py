@@ -56,6 +56,8 @@ class _Request(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     # vLLM extension: the matched stop string ends the reply's text instead of being cut.
     include_stop_str_in_output: bool = False
+    # vLLM extension: special tokens (<|im_start|>...) add no text; false shows them.
+    skip_special_tokens: bool = True
     # vLLM extension: the prompt's own tokens scored, each with this many alternatives.
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # vLLM's structured outputs, and the older fields for them (guided.py).

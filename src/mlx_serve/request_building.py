@@ -187,6 +187,7 @@ async def build_chat_request(
                            # a continued message's next word keeps its leading space
                            keep_leading_space=body.continue_final_message,
                            one_tool_call=body.parallel_tool_calls is False,
+                           skip_special_tokens=body.skip_special_tokens,
                            response_format=response_format,
                            prompt_logprobs=body.prompt_logprobs,
                            prompt_ranks=body.prompt_logprobs is not None)
@@ -259,6 +260,7 @@ async def build_completion_request(
     asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs)
              if k is not None]
     output = OutputOptions(logprobs=body.logprobs, keep_leading_space=True,
+                           skip_special_tokens=body.skip_special_tokens,
                            response_format=await compile_format(body, runner),
                            prompt_logprobs=max(asked) if asked else None,
                            prompt_ranks=body.prompt_logprobs is not None)

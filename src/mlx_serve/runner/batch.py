@@ -34,6 +34,7 @@ from mlx_serve.runner.memory import MLXMemory
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.prompt_scoring import Scored, score_requests
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
+from mlx_serve.runner.special_tokens import SpecialTokens
 from mlx_serve.runner.text import TextPipeline
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Runner:
         # Created on the MLX thread: MLX streams belong to the thread that made them.
         self._stream = mx.default_stream(mx.default_device())
         self._eos_ids = tuple(sorted(tokenizer.eos_token_ids))
-        self._eos_set = frozenset(self._eos_ids)  # what ignore_eos hides from the text
+        self._special = SpecialTokens(tokenizer, frozenset(self._eos_ids))
         self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
         has_markers = getattr(tokenizer, "has_thinking", False) or getattr(
             tokenizer, "has_tool_calling", False)
@@ -230,10 +231,11 @@ class Runner:
             log.exception("closing the old batch generator failed")
 
     def _new_live(self, request: GenerationRequest) -> Live:
-        # An ignored end-of-sequence token takes its place in the reply but shows no text
-        # (vLLM leaves special tokens out of the text too).
-        hidden = self._eos_set if request.params.ignore_eos else frozenset()
-        text = TextPipeline(self._new_detokenizer(), request, self._text_machine, hidden)
+        # Special tokens take their place in the reply but show no text (as vLLM's).
+        reads_markers = request.output.split_reasoning and self._text_machine is not None
+        text = TextPipeline(self._new_detokenizer(), request, self._text_machine,
+                            self._special.hidden(request, reads_markers),
+                            self._special.eos if request.params.ignore_eos else frozenset())
         return Live(request, text)
 
     def _admit(self, admissions: Sequence[GenerationRequest]) -> list[tuple[str, Exception]]:

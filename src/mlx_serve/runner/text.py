@@ -26,12 +26,14 @@ class TextPiece(NamedTuple):
 
 
 class TextPipeline:
-    __slots__ = ("_detok", "_stops", "_unchecked", "_hidden", "_machine", "_state", "_prev",
-                 "_tool_text", "_one_call")
+    __slots__ = ("_detok", "_stops", "_unchecked", "_hidden", "_hidden_in_call", "_machine",
+                 "_state", "_prev", "_tool_text", "_one_call")
 
     def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any,
-                 hidden: frozenset[int] = frozenset()) -> None:
-        """``hidden``: tokens that count but add no text (ignored end-of-sequence ones)."""
+                 hidden: frozenset[int] = frozenset(),
+                 hidden_in_call: frozenset[int] = frozenset()) -> None:
+        """``hidden``: tokens that count but add no text (special_tokens.py);
+        ``hidden_in_call``: those of them that add none inside a tool call either."""
         self._detok = detokenizer
         if request.output.keep_leading_space:
             _keep_leading_space(detokenizer)
@@ -40,6 +42,7 @@ class TextPipeline:
         # As vLLM: stop strings count only in the text of tokens after min_tokens.
         self._unchecked = request.params.min_tokens
         self._hidden = hidden
+        self._hidden_in_call = hidden_in_call
         # The state machine strips thinking/tool-call markers (mlx-lm's, per tokenizer).
         use_machine = request.output.split_reasoning and machine is not None
         self._machine = machine if use_machine else None
@@ -56,7 +59,7 @@ class TextPipeline:
             self._detok.finalize()
             finish = FinishReason.STOP
         else:
-            if token not in self._hidden:
+            if token not in (self._hidden_in_call if self._prev == "tool" else self._hidden):
                 self._detok.add_token(token)
             if engine_finish == "length":
                 self._detok.finalize()

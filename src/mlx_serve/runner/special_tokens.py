@@ -1,0 +1,56 @@
+"""Which generated tokens a reply's text leaves out.
+
+As vLLM's ``skip_special_tokens`` (on by default): the tokenizer's special tokens (the
+added tokens it marks special, what ``decode(skip_special_tokens=True)`` drops) count in
+the reply but add no text. Some must stay in the text all the same:
+
+- those a thinking or tool-call marker is made of, which mlx-lm's text state machine
+  reads to route reasoning and calls apart (and strips);
+- those a request's stop strings are made of, so that such a stop string still matches;
+- every one inside a tool call: the call's parser reads them (Kimi-K2's
+  ``<|tool_call_begin|>``, Gemma's ``<|"|>``). The text pipeline sees to that one.
+
+An ignored end-of-sequence token (``ignore_eos``) is never shown, whatever the setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_serve.generation import GenerationRequest
+
+
+class SpecialTokens:
+    def __init__(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._texts = {i: t.content for i, t in decoder.items() if getattr(t, "special", False)}
+        self.eos = eos_ids
+        markers = marker_strings(tokenizer)
+        self._all = frozenset(self._texts)
+        self._unmarked = frozenset(i for i, text in self._texts.items()
+                                   if not any(text in marker for marker in markers))
+
+    def hidden(self, request: GenerationRequest, reads_markers: bool) -> frozenset[int]:
+        """The tokens left out of ``request``'s text outside tool calls; ``reads_markers``:
+        its text goes through the state machine, which must see the markers."""
+        eos = self.eos if request.params.ignore_eos else frozenset()
+        if not request.output.skip_special_tokens:
+            return eos
+        hidden = self._unmarked if reads_markers else self._all
+        if request.params.stop:
+            hidden = frozenset(i for i in hidden
+                               if not any(self._texts[i] in s for s in request.params.stop))
+        return hidden | eos
+
+
+def marker_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The text that mlx-lm's ``make_text_state_machine`` matches for this tokenizer."""
+    found: list[str] = []
+    if getattr(tokenizer, "has_thinking", False):
+        found += [tokenizer.think_start, tokenizer.think_end]
+    if getattr(tokenizer, "has_tool_calling", False):
+        found += [tokenizer.tool_call_start, tokenizer.tool_call_end]
+    found += getattr(tokenizer, "structural_markers", ()) or ()
+    for edges in (getattr(tokenizer, "response_transitions", None) or {}).values():
+        found += [text for text, _ in edges]
+    return tuple(text for text in found if text)
