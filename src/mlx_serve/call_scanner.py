@@ -1,9 +1,14 @@
-"""What every scanner of a tool call being written shares: its text so far, its name
-once the call's head is complete, and giving up on a call whose head does not come."""
+"""Following tool calls while they are written.
+
+A scanner follows one call: what every one shares is here (its text so far, its name once
+the call's head is complete, giving up on a call whose head does not come). A span of a
+model's tool-call text holds one call (``OneCall``) or several one after another
+(``CallSequence``), each with its own scanner."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 HEAD_LIMIT = 512  # characters: a call without its head in them is parsed at its end
 
@@ -13,11 +18,12 @@ class CallScanner:
     (``_opened``: the first argument text, or None to give up) and how the arguments
     read after it (``_scan``)."""
 
-    __slots__ = ("text", "name", "ended", "_gave_up")
+    __slots__ = ("text", "name", "call_id", "ended", "_gave_up")
 
     def __init__(self) -> None:
         self.text = ""
         self.name: str | None = None
+        self.call_id: str | None = None  # the model's own id for the call, if it writes one
         self.ended = False  # the arguments are complete
         self._gave_up = False
 
@@ -51,3 +57,87 @@ class CallScanner:
 
     def _scan(self) -> str:
         raise NotImplementedError
+
+
+class OneCall:
+    """A span that holds one call (``json_tools``, ``qwen3_coder``, ``glm47``): its
+    scanner reads the whole span, and the call is done when the span is."""
+
+    __slots__ = ("scanners",)
+
+    def __init__(self, scanner: CallScanner) -> None:
+        self.scanners = [scanner]
+
+    @property
+    def text(self) -> str:
+        return self.scanners[0].text
+
+    def feed(self, piece: str) -> list[tuple[int, str, bool]]:
+        """Take more of the span's text; return (call in the span, argument text it adds,
+        whether the call is done) for each call it touched, in order."""
+        scanner = self.scanners[0]
+        arguments = scanner.feed(piece)
+        return [] if scanner.name is None else [(0, arguments, False)]
+
+    def finish(self) -> list[tuple[int, str, bool]]:
+        """The span is complete: every call in it is done."""
+        scanner = self.scanners[0]
+        return [] if scanner.name is None else [(0, scanner.finish(), True)]
+
+
+class CallSequence:
+    """A span that holds calls one after another (MiniMax-M2's ``<invoke>``s, Kimi-K2's
+    ``<|tool_call_begin|>`` sections): each runs from a match of ``start`` to the first
+    ``end`` after it, as the parsers split them, and has its own scanner. A call is done
+    at its ``end``."""
+
+    __slots__ = ("scanners", "text", "_make", "_start", "_end", "_fed", "_from")
+
+    def __init__(self, make: Callable[[], CallScanner], start: re.Pattern[str],
+                 end: str) -> None:
+        self.scanners: list[CallScanner] = []
+        self.text = ""
+        self._make, self._start, self._end = make, start, end
+        self._fed = 0  # of ``text``, what the last call's scanner has been given
+        self._from: int | None = None  # where the last call's end is looked for; None: ended
+
+    def feed(self, piece: str) -> list[tuple[int, str, bool]]:
+        self.text += piece
+        steps: list[tuple[int, str, bool]] = []
+        while True:
+            if self._from is None:
+                start = self._start.search(self.text, self._fed)
+                if start is None:
+                    break
+                self.scanners.append(self._make())
+                self._fed, self._from = start.start(), start.end()
+            k, scanner = len(self.scanners) - 1, self.scanners[-1]
+            end = self.text.find(self._end, self._from)
+            upto = len(self.text) if end < 0 else end + len(self._end)
+            arguments = scanner.feed(self.text[self._fed:upto])
+            self._fed = upto
+            if end >= 0:
+                arguments += scanner.finish()
+                self._from = None
+            if scanner.name is not None:
+                steps.append((k, arguments, end >= 0))
+            if end < 0:
+                break
+        return merged_steps(steps)
+
+    def finish(self) -> list[tuple[int, str, bool]]:
+        if self._from is None or self.scanners[-1].name is None:
+            return []
+        scanner = self.scanners[-1]  # cut off before its end
+        return [(len(self.scanners) - 1, scanner.finish(), True)]
+
+
+SpanFollower = OneCall | CallSequence
+
+
+def merged_steps(steps: list[tuple[int, str, bool]]) -> list[tuple[int, str, bool]]:
+    """One step a call, in order: its argument text joined, done if its last step was."""
+    merged: dict[int, tuple[str, bool]] = {}
+    for k, arguments, done in steps:
+        merged[k] = (merged.get(k, ("", False))[0] + arguments, done)
+    return [(k, arguments, done) for k, (arguments, done) in merged.items()]

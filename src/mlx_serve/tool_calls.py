@@ -7,7 +7,8 @@ the model writes them, up to the end of their JSON value. So a long call (a file
 contents, say) reaches the client as it is written, not all at once at its end, and a
 whole reply carries the very same arguments as the stream. A call cut off by
 ``max_tokens`` keeps the arguments written so far, as OpenAI's do. Calls in the tagged
-formats of ``qwen3_coder`` and ``glm47`` are followed too (``tool_calls_xml``).
+formats of ``qwen3_coder``, ``glm47`` and ``minimax_m2`` (``tool_calls_xml``) and in
+Kimi-K2's (``kimi_k2``, its JSON arguments as written) are followed too.
 
 Any other format, or a call written in another shape (JSON with ``arguments`` first, a
 list of calls), is parsed by the model family's mlx-lm parser once complete and goes out
@@ -24,11 +25,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_serve.call_scanner import CallScanner
-from mlx_serve.tool_calls_xml import GlmCallScanner, XmlCallScanner
+from mlx_serve.call_scanner import (
+    CallScanner,
+    CallSequence,
+    OneCall,
+    SpanFollower,
+    merged_steps,
+)
+from mlx_serve.stop_strings import held_back
+from mlx_serve.tool_calls_xml import (
+    INVOKE,
+    INVOKE_END,
+    GlmCallScanner,
+    MiniMaxCallScanner,
+    XmlCallScanner,
+)
 
 log = logging.getLogger(__name__)
 
+# Kimi-K2: a call's section, and its head up to the start of its arguments.
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>")
+_KIMI_CALL_END = "<|tool_call_end|>"
+_KIMI_HEAD = re.compile(r"<\|tool_call_begin\|>\s*((?:functions\.)?(.+?):\d+)\s*"
+                        r"<\|tool_call_argument_begin\|>", re.DOTALL)
 # The head of a JSON call, up to the first character of an object or array of arguments.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*([\[{])')
 
@@ -117,49 +136,82 @@ class JsonCallScanner(CallScanner):
         return text[start:at]
 
 
+class KimiCallScanner(CallScanner):
+    """A Kimi-K2 call (mlx-lm's ``kimi_k2`` parser), one of a span's ``<|tool_call_begin|>``
+    sections: ``functions.NAME:N``, ``<|tool_call_argument_begin|>``, then JSON arguments
+    up to ``<|tool_call_end|>``, which go out as written (spaces around them left out).
+    The call's id is the model's ``functions.NAME:N``, as the parser has it."""
+
+    __slots__ = ("_at", "_sent")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._at = 0
+        self._sent = False  # some argument text has gone out
+
+    def _find_head(self) -> re.Match[str] | None:
+        return _KIMI_HEAD.search(self.text)
+
+    def _opened(self, head: re.Match[str]) -> str | None:
+        self.call_id, self.name = head.group(1), head.group(2)
+        self._at = head.end()
+        return ""
+
+    def _scan(self) -> str:
+        rest = self.text[self._at:]
+        if not self._sent:
+            self._at += len(rest) - len(rest.lstrip())
+            rest = rest.lstrip()
+        end = rest.find(_KIMI_CALL_END)
+        if end >= 0:
+            self.ended = True
+            self._at += end + len(_KIMI_CALL_END)
+            return rest[:end].rstrip()
+        safe = rest[:len(rest) - held_back(rest, (_KIMI_CALL_END,), len(_KIMI_CALL_END))]
+        safe = safe[:len(safe.rstrip())]  # space before the end is not sent
+        self._at += len(safe)
+        self._sent = self._sent or bool(safe)
+        return safe
+
+
 class ToolCallStream:
     """One choice's tool calls as its deltas bring them: complete spans and the text of
     the one still open. Fills ``calls`` (the choice's OpenAI tool calls) and says what
     each delta changed."""
 
-    __slots__ = ("_parser", "_tools", "_scanner", "_open", "_one", "cut_off")
+    __slots__ = ("_parser", "_tools", "_follower", "_open", "_positions", "_one", "cut_off")
 
     def __init__(self, parser: Any, tools: list[dict] | None, one_call: bool = False) -> None:
         """``one_call``: at most one call (``parallel_tool_calls`` false); the generation
         ends with the first span, and of a span holding several calls the first is kept."""
         self._parser, self._tools, self._one = parser, tools, one_call
-        self._scanner = _scanner_for(parser, tools)  # None: calls are parsed whole
+        self._follower = _follower_for(parser, tools)  # None: calls are parsed whole
         # Positions of calls whose span ended before their arguments did (max_tokens, a
         # stop string, an end-of-sequence token): kept as written, but not complete.
         self.cut_off: set[int] = set()
-        self._open: CallScanner | None = None
+        self._open: SpanFollower | None = None
+        self._positions: dict[int, int] = {}  # the open span's calls: their positions
 
     def update(self, calls: list[dict], completed: tuple[str, ...], open_text: str
                ) -> list[CallUpdate]:
         updates = []
         for text in completed:
             updates += self._complete(calls, text)
-        if open_text and self._scanner is not None:
+        if open_text and self._follower is not None:
             if self._open is None:
-                self._open = self._scanner()
-            update = self._follow(calls, self._open, open_text, done=False)
-            if update is not None and (update.opened or update.arguments):
-                updates.append(update)
+                self._open, self._positions = self._follower(), {}
+            updates += self._follow(calls, self._open, self._open.feed(open_text))
         return updates
 
     def _complete(self, calls: list[dict], text: str) -> list[CallUpdate]:
-        scanner, self._open = self._open, None
-        if self._scanner is not None:
-            scanner = scanner or self._scanner()
-            update = self._follow(calls, scanner, text[len(scanner.text):], done=True)
-            if update is not None:
-                if (tail := scanner.finish()):
-                    update.arguments += tail
-                    calls[update.position]["function"]["arguments"] += tail
-                if not scanner.ended:
-                    self.cut_off.add(update.position)
-                _check_arguments(calls[update.position])
-                return [update]
+        span, self._open = self._open, None
+        if self._follower is not None:
+            if span is None:
+                span, self._positions = self._follower(), {}
+            updates = self._follow(calls, span,
+                                   merged_steps(span.feed(text[len(span.text):]) + span.finish()))
+            if self._positions:
+                return updates
         parsed = parse_tool_calls(self._parser, self._tools, text)
         if self._one:
             parsed = parsed[:max(0, 1 - len(calls))]
@@ -168,30 +220,46 @@ class ToolCallStream:
         return [CallUpdate(first + i, True, c["function"]["arguments"], True)
                 for i, c in enumerate(parsed)]
 
-    @staticmethod
-    def _follow(calls: list[dict], scanner: CallScanner, piece: str,
-                done: bool) -> CallUpdate | None:
-        """Feed a followed call; None while (or if) its name is not known."""
-        was_open = scanner.name is not None
-        arguments = scanner.feed(piece)
-        if scanner.name is None:
-            return None
-        if not was_open:
-            calls.append(new_call(scanner.name, ""))
-        calls[-1]["function"]["arguments"] += arguments
-        return CallUpdate(len(calls) - 1, not was_open, arguments, done)
+    def _follow(self, calls: list[dict], span: SpanFollower,
+                steps: list[tuple[int, str, bool]]) -> list[CallUpdate]:
+        """Apply what a span's followed calls gained: (call in the span, argument text,
+        done); a call is announced the first time it appears."""
+        updates = []
+        for k, arguments, done in steps:
+            scanner = span.scanners[k]
+            opened = k not in self._positions
+            if opened:
+                if self._one and (calls or self._positions):
+                    continue  # only the first call is kept
+                self._positions[k] = len(calls)
+                calls.append(new_call(scanner.name or "", "", scanner.call_id))
+            position = self._positions[k]
+            call = calls[position]
+            call["function"]["arguments"] += arguments
+            if done:
+                if not scanner.ended:
+                    self.cut_off.add(position)
+                _check_arguments(call)
+            if opened or arguments or done:
+                updates.append(CallUpdate(position, opened, arguments, done))
+        return updates
 
 
-def _scanner_for(parser: Any, tools: list[dict] | None
-                 ) -> Callable[[], CallScanner] | None:
-    """What follows a call of this model family while it is written, if anything."""
+def _follower_for(parser: Any, tools: list[dict] | None
+                  ) -> Callable[[], SpanFollower] | None:
+    """What follows a span of this model family's calls while it is written, if anything."""
     if is_json_tool_parser(parser):
-        return JsonCallScanner
+        return lambda: OneCall(JsonCallScanner())
     module = getattr(parser, "__module__", "")
     if module.endswith("qwen3_coder"):
-        return lambda: XmlCallScanner(parser, tools)
+        return lambda: OneCall(XmlCallScanner(parser, tools))
     if module.endswith("glm47"):
-        return lambda: GlmCallScanner(parser, tools)
+        return lambda: OneCall(GlmCallScanner(parser, tools))
+    if module.endswith("minimax_m2"):
+        return lambda: CallSequence(lambda: MiniMaxCallScanner(parser, tools), INVOKE,
+                                    INVOKE_END)
+    if module.endswith("kimi_k2"):
+        return lambda: CallSequence(KimiCallScanner, _KIMI_CALL, _KIMI_CALL_END)
     return None
 
 

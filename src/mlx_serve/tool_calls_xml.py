@@ -33,6 +33,12 @@ _FUNCTION = re.compile(r"\s*<function=\s*([^\s<>]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=\s*([^\s<>]+)>")
 _CLOSE_FUNCTION = "</function>"
 _ARG_KEY = re.compile(r"<arg_key>(.*?)</arg_key>(?:\\n|\s)*<arg_value>", re.DOTALL)
+# MiniMax-M2: a span's calls, each from INVOKE to the first INVOKE_END, as its parser splits.
+INVOKE = re.compile(r"<invoke name=")
+INVOKE_END = "</invoke>"
+_INVOKE_HEAD = re.compile(r"<invoke name=([^>]+)>")
+_MINIMAX_PARAMETER = re.compile(r"<parameter name=([^>]+)>")
+_STRING_TYPES = frozenset({"string", "str", "text"})
 
 
 def _escaped(text: str) -> str:
@@ -160,7 +166,7 @@ class XmlCallScanner(_TaggedCallScanner):
         return safe, safe[1:] if safe.startswith("\n") else safe
 
     def _may_open(self, body: str) -> bool:
-        return not ("null".startswith(body.lower()) and len(body) <= 4)  # null yet?
+        return _not_null_yet(body)
 
     def _closing(self, rest: str) -> str:
         assert self._param is not None
@@ -238,3 +244,77 @@ class GlmCallScanner(_TaggedCallScanner):
         if self._param in self._strings:
             return json.dumps(rest.strip(), ensure_ascii=False)
         return json.dumps(self._rules._deserialize(rest.strip()), ensure_ascii=False)
+
+
+class MiniMaxCallScanner(_TaggedCallScanner):
+    """A MiniMax-M2 call (mlx-lm's ``minimax_m2`` parser), one of a span's ``<invoke>``s:
+    ``<invoke name="NAME">``, ``<parameter name="KEY">VALUE</parameter>``s, ``</invoke>``.
+    A value is stripped, reads ``null`` as null, and stays text when the schema types it
+    only as a string (or not at all); any other is converted by the parser's rules."""
+
+    CLOSE = "</parameter>"
+    __slots__ = ("_properties",)
+
+    def __init__(self, parser: Any, tools: list[dict] | None) -> None:
+        super().__init__(parser, tools)
+        self._properties: dict = {}
+
+    def _find_head(self) -> re.Match[str] | None:
+        return _INVOKE_HEAD.search(self.text)
+
+    def _opened(self, head: re.Match[str]) -> str | None:
+        self.name = self._rules._extract_name(head.group(1))
+        for tool in self._tools or []:
+            function = tool.get("function") or {}
+            if function.get("name") == self.name and function.get("parameters"):
+                self._properties = function["parameters"].get("properties", {})
+        self._at = head.end()
+        return "{"
+
+    def _scan(self) -> str:
+        out = []
+        while not self.ended:
+            if self._param is not None:
+                piece, closed = self._value()
+                out.append(piece)
+                if not closed:
+                    break
+                continue
+            tag = _MINIMAX_PARAMETER.search(self.text, self._at)
+            end = self.text.find(INVOKE_END, self._at)
+            if tag is not None and (end < 0 or tag.start() < end):
+                out.append(self._start(self._rules._extract_name(tag.group(1)), tag.end()))
+                continue
+            if end >= 0:
+                self.ended = True
+                out.append("}")
+            break  # more text is needed to know what comes next
+        return "".join(out)
+
+    def _types(self, name: str) -> list[str]:
+        return self._rules._get_param_types_from_config(name, self._properties)
+
+    def _is_string(self, name: str) -> bool:
+        return {t.lower() for t in self._types(name)} <= _STRING_TYPES
+
+    def _streamable(self, value: str) -> tuple[str, str]:
+        # What may yet be the closing tag, or trailing space the parser strips, waits.
+        safe = value[:len(value) - held_back(value, (self.CLOSE,), len(self.CLOSE))]
+        safe = safe[:len(safe.rstrip())]
+        return safe, safe.lstrip()
+
+    def _may_open(self, body: str) -> bool:
+        return _not_null_yet(body)
+
+    def _closing(self, rest: str) -> str:
+        assert self._param is not None
+        if self._opened_string:
+            return _escaped(rest.rstrip()) + '"'
+        value = self._rules._convert_param_value_with_types(rest.strip(),
+                                                            self._types(self._param))
+        return json.dumps(value, ensure_ascii=False)
+
+
+def _not_null_yet(body: str) -> bool:
+    """Whether a string's first text can open it: not while it may still read ``null``."""
+    return not ("null".startswith(body.lower()) and len(body) <= 4)

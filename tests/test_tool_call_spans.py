@@ -1,0 +1,169 @@
+"""Spans holding several calls, followed while written: MiniMax-M2's ``<invoke>``s and
+Kimi-K2's ``<|tool_call_begin|>`` sections. Each call is announced once, in order, and
+its streamed arguments are what mlx-lm's parser makes of the whole span."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from mlx_lm.tool_parsers import kimi_k2, minimax_m2
+
+from mlx_serve.tool_calls import ToolCallStream
+
+TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {
+    "type": "object", "properties": {
+        "path": {"type": "string"}, "count": {"type": "integer"},
+        "ratio": {"type": "number"}, "force": {"type": "boolean"},
+        "spec": {"type": "object"}, "items": {"type": "array"},
+        "maybe": {"type": ["string", "null"]}, "mode": {"enum": ["a", "b"]}}}}},
+    {"type": "function", "function": {"name": "look", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+PIECES = ["a", "b", " ", "\n", "<", ">", "/", "</param", '"', "\\", "é", "{", "null",
+          "NULL", "parameter>", "x\n", "\t", "none", "</invoke"]
+
+
+def minimax_value(rng: random.Random, name: str) -> str:
+    if name == "count":
+        return rng.choice([str(rng.randrange(-50, 1000)), "7.0", "many"])
+    if name == "ratio":
+        return rng.choice(["0.5", "3", "-2.25", "1e3", "x"])
+    if name == "force":
+        return rng.choice(["true", "False", "yes", "off", "maybe"])
+    if name == "maybe":  # typed string or null: the parser reads these three as null
+        return rng.choice(["none", "nil", "None", "null", "nils", "text"])
+    if name in ("spec", "items"):
+        return json.dumps(rng.choice([{"a": [1, "</x>"]}, [1, 2, {"b": None}], "text", 7]))
+    text = "".join(rng.choice(PIECES) for _ in range(rng.randrange(0, 12)))
+    if "</parameter>" in text or "</invoke>" in text or rng.random() < 0.1:
+        return rng.choice(["null", "Null", "nul", "nullable", "", "  "])
+    return text
+
+
+def minimax_span(rng: random.Random) -> str:
+    parts = [rng.choice(["", "\n"])]
+    for _ in range(rng.randrange(1, 4)):
+        function = rng.choice(["edit", "look", "other"])
+        quote = rng.choice(['"', "'", ""])
+        parts.append(f"<invoke name={quote}{function}{quote}>{rng.choice(['', chr(10)])}")
+        names = rng.sample(["path", "count", "ratio", "force", "spec", "items", "maybe",
+                            "mode", "q", "extra"], rng.randrange(0, 5))
+        for name in names:
+            parts.append(f'<parameter name="{name}">{rng.choice(["", chr(10), "  "])}'
+                         f"{minimax_value(rng, name)}{rng.choice(['', chr(10)])}"
+                         f"</parameter>{rng.choice(['', chr(10)])}")
+        parts.append("</invoke>" + rng.choice(["", "\n"]))
+    return "".join(parts)
+
+
+def kimi_span(rng: random.Random) -> str:
+    parts = [rng.choice(["", "\n"])]
+    for i in range(rng.randrange(1, 4)):
+        name = rng.choice(["edit", "look", "a.b"])
+        prefix = rng.choice(["functions.", ""])
+        arguments = rng.choice([{}, {"q": "x</y>"}, {"path": "a b", "n": [1, {"c": None}]},
+                                {"s": "<|tool_call_end"}, {"t": "é\\n\""}])
+        text = json.dumps(arguments, ensure_ascii=rng.random() < 0.5,
+                          indent=rng.choice([None, 2]))
+        parts.append(f"<|tool_call_begin|>{rng.choice(['', ' '])}{prefix}{name}:{i}"
+                     f"{rng.choice(['', chr(10)])}<|tool_call_argument_begin|>"
+                     f"{rng.choice(['', ' ', chr(10)])}{text}{rng.choice(['', ' ', chr(10)])}"
+                     f"<|tool_call_end|>{rng.choice(['', chr(10)])}")
+    return "".join(parts)
+
+
+def streamed(parser, text: str, rng: random.Random):
+    """Feed a span in random pieces, then complete it: the calls and every update."""
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(16))))
+    stream, calls, updates, at = ToolCallStream(parser, TOOLS), [], [], 0
+    for cut in cuts:
+        updates += stream.update(calls, (), text[at:cut])
+        at = cut
+    updates += stream.update(calls, (text,), "")
+    assert stream.cut_off == set()
+    return calls, updates
+
+
+def check_updates(calls: list[dict], updates) -> None:
+    """Each call opened once and done once, in order; its pieces join into its arguments."""
+    assert [u.position for u in updates if u.opened] == list(range(len(calls)))
+    assert [u.position for u in updates if u.done] == list(range(len(calls)))
+    for position, call in enumerate(calls):
+        mine = [u for u in updates if u.position == position]
+        assert mine[0].opened and mine[-1].done
+        assert "".join(u.arguments for u in mine) == call["function"]["arguments"]
+
+
+def as_list(parsed) -> list[dict]:
+    return parsed if isinstance(parsed, list) else [parsed]
+
+
+def test_minimax_calls_stream_as_the_parsers_json_whatever_the_cuts():
+    rng = random.Random(5)
+    for _ in range(400):
+        text = minimax_span(rng)
+        expected = as_list(minimax_m2.parse_tool_call(text, TOOLS))
+        calls, updates = streamed(minimax_m2.parse_tool_call, text, rng)
+        assert [c["function"] for c in calls] == [
+            {"name": e["name"], "arguments": json.dumps(e["arguments"], ensure_ascii=False)}
+            for e in expected], text
+        check_updates(calls, updates)
+
+
+def test_kimi_calls_stream_their_arguments_as_written_whatever_the_cuts():
+    rng = random.Random(6)
+    for _ in range(400):
+        text = kimi_span(rng)
+        expected = as_list(kimi_k2.parse_tool_call(text, TOOLS))
+        calls, updates = streamed(kimi_k2.parse_tool_call, text, rng)
+        assert [(c["id"], c["function"]["name"]) for c in calls] == [
+            (e["id"], e["name"]) for e in expected], text
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+            e["arguments"] for e in expected], text
+        # As written, less the space around them.
+        assert all(c["function"]["arguments"] == c["function"]["arguments"].strip()
+                   for c in calls)
+        check_updates(calls, updates)
+
+
+def test_a_call_is_done_at_its_own_end_before_the_next_is_written():
+    stream, calls = ToolCallStream(minimax_m2.parse_tool_call, TOOLS), []
+    first = stream.update(calls, (), '\n<invoke name="look">\n<parameter name="q">wea')
+    assert [(u.position, u.opened, u.arguments, u.done) for u in first] == [
+        (0, True, '{"q": "wea', False)]
+    ended = stream.update(calls, (), 'ther</parameter>\n</invoke>\n<invoke name="ed')
+    assert [(u.position, u.arguments, u.done) for u in ended] == [(0, 'ther"}', True)]
+    second = stream.update(calls, (), 'it">')
+    assert [(u.position, u.opened, u.arguments) for u in second] == [(1, True, "{")]
+    assert [c["function"]["name"] for c in calls] == ["look", "edit"]
+
+
+def test_a_span_cut_off_inside_its_second_call_keeps_both_and_marks_the_second():
+    text = '<|tool_call_begin|>functions.look:0<|tool_call_argument_begin|>{"q": "a"}' \
+           '<|tool_call_end|><|tool_call_begin|>functions.edit:1<|tool_call_argument_begin|>' \
+           '{"path": "x'
+    stream, calls = ToolCallStream(kimi_k2.parse_tool_call, TOOLS), []
+    stream.update(calls, (), text[:40])
+    stream.update(calls, (text,), "")
+    assert [(c["id"], c["function"]["arguments"]) for c in calls] == [
+        ("functions.look:0", '{"q": "a"}'), ("functions.edit:1", '{"path": "x')]
+    assert stream.cut_off == {1}
+
+
+def test_with_one_call_allowed_a_span_keeps_its_first():
+    text = '<invoke name="look"><parameter name="q">a</parameter></invoke>' \
+           '<invoke name="edit"><parameter name="path">b</parameter></invoke>'
+    stream, calls = ToolCallStream(minimax_m2.parse_tool_call, TOOLS, one_call=True), []
+    updates = stream.update(calls, (), text[:70]) + stream.update(calls, (text,), "")
+    assert [c["function"] for c in calls] == [{"name": "look", "arguments": '{"q": "a"}'}]
+    assert {u.position for u in updates} == {0}
+
+
+def test_a_kimi_span_without_sections_is_parsed_whole():
+    text = 'functions.look:0<|tool_call_argument_begin|>{"q": "a"}'
+    stream, calls = ToolCallStream(kimi_k2.parse_tool_call, TOOLS), []
+    assert stream.update(calls, (), text) == []
+    (update,) = stream.update(calls, (text,), "")
+    assert (update.opened, update.done) == (True, True)
+    assert [(c["id"], c["function"]["arguments"]) for c in calls] == [
+        ("functions.look:0", '{"q": "a"}')]
