@@ -1,13 +1,14 @@
-"""Spans holding several calls, followed while written: MiniMax-M2's ``<invoke>``s and
-Kimi-K2's ``<|tool_call_begin|>`` sections. Each call is announced once, in order, and
-its streamed arguments are what mlx-lm's parser makes of the whole span."""
+"""Spans holding several calls, followed while written: MiniMax-M2's ``<invoke>``s,
+Kimi-K2's ``<|tool_call_begin|>`` sections and Mistral's ``NAME[ARGS]{...}``s. Each call
+is announced once, in order, and its streamed arguments are what mlx-lm's parser makes
+of the whole span."""
 
 from __future__ import annotations
 
 import json
 import random
 
-from mlx_lm.tool_parsers import kimi_k2, minimax_m2
+from mlx_lm.tool_parsers import kimi_k2, minimax_m2, mistral
 
 from mlx_serve.tool_calls import ToolCallStream
 
@@ -21,6 +22,10 @@ TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {
         "type": "object", "properties": {"q": {"type": "string"}}}}}]
 PIECES = ["a", "b", " ", "\n", "<", ">", "/", "</param", '"', "\\", "é", "{", "null",
           "NULL", "parameter>", "x\n", "\t", "none", "</invoke"]
+
+
+ARGUMENTS = [{}, {"q": "x</y>"}, {"path": "a b", "n": [1, {"c": None}]},
+             {"s": "<|tool_call_end"}, {"t": "é\\n\"}"}, {"u": "b[ARGS]{"}]
 
 
 def minimax_value(rng: random.Random, name: str) -> str:
@@ -61,14 +66,23 @@ def kimi_span(rng: random.Random) -> str:
     for i in range(rng.randrange(1, 4)):
         name = rng.choice(["edit", "look", "a.b"])
         prefix = rng.choice(["functions.", ""])
-        arguments = rng.choice([{}, {"q": "x</y>"}, {"path": "a b", "n": [1, {"c": None}]},
-                                {"s": "<|tool_call_end"}, {"t": "é\\n\""}])
+        arguments = rng.choice(ARGUMENTS)
         text = json.dumps(arguments, ensure_ascii=rng.random() < 0.5,
                           indent=rng.choice([None, 2]))
         parts.append(f"<|tool_call_begin|>{rng.choice(['', ' '])}{prefix}{name}:{i}"
                      f"{rng.choice(['', chr(10)])}<|tool_call_argument_begin|>"
                      f"{rng.choice(['', ' ', chr(10)])}{text}{rng.choice(['', ' ', chr(10)])}"
                      f"<|tool_call_end|>{rng.choice(['', chr(10)])}")
+    return "".join(parts)
+
+
+def mistral_span(rng: random.Random) -> str:
+    parts = []
+    for _ in range(rng.randrange(1, 4)):
+        text = json.dumps(rng.choice(ARGUMENTS), ensure_ascii=rng.random() < 0.5,
+                          indent=rng.choice([None, 2]))
+        parts.append(f"{rng.choice(['edit', 'look', 'get-x'])}{rng.choice(['', ' '])}[ARGS]"
+                     f"{rng.choice(['', ' '])}{text}{rng.choice(['', ' ', chr(10)])}")
     return "".join(parts)
 
 
@@ -124,6 +138,27 @@ def test_kimi_calls_stream_their_arguments_as_written_whatever_the_cuts():
         assert all(c["function"]["arguments"] == c["function"]["arguments"].strip()
                    for c in calls)
         check_updates(calls, updates)
+
+
+def test_mistral_calls_stream_their_arguments_as_written_whatever_the_cuts():
+    rng = random.Random(7)
+    for _ in range(400):
+        text = mistral_span(rng)
+        expected = as_list(mistral.parse_tool_call(text, TOOLS))
+        calls, updates = streamed(mistral.parse_tool_call, text, rng)
+        assert [c["function"]["name"] for c in calls] == [e["name"] for e in expected], text
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+            e["arguments"] for e in expected], text
+        check_updates(calls, updates)
+
+
+def test_a_mistral_call_is_done_where_its_json_ends():
+    stream, calls = ToolCallStream(mistral.parse_tool_call, TOOLS), []
+    first = stream.update(calls, (), 'look[ARGS]{"q": {"a": "}"}}look[AR')
+    assert [(u.position, u.opened, u.arguments, u.done) for u in first] == [
+        (0, True, '{"q": {"a": "}"}}', True)]
+    second = stream.update(calls, (), 'GS]{"q"')
+    assert [(u.position, u.opened, u.arguments) for u in second] == [(1, True, '{"q"')]
 
 
 def test_a_call_is_done_at_its_own_end_before_the_next_is_written():

@@ -49,6 +49,10 @@ class CallScanner:
         format whose arguments have no closing tag of their own)."""
         return ""
 
+    def read_to(self) -> int:
+        """Of ``text``, how much the call has read (all of it, unless it ended before)."""
+        return len(self.text)
+
     def _find_head(self) -> re.Match[str] | None:
         raise NotImplementedError
 
@@ -87,19 +91,21 @@ class OneCall:
 
 class CallSequence:
     """A span that holds calls one after another (MiniMax-M2's ``<invoke>``s, Kimi-K2's
-    ``<|tool_call_begin|>`` sections): each runs from a match of ``start`` to the first
-    ``end`` after it, as the parsers split them, and has its own scanner. A call is done
-    at its ``end``."""
+    ``<|tool_call_begin|>`` sections, Mistral's ``NAME[ARGS]{...}``s): each starts at a
+    match of ``start`` and has its own scanner. It runs to the first ``end`` after that,
+    as the parsers split them, or, with no ``end``, to where its scanner ends it (the end
+    of its arguments' JSON value). A call is done at its end."""
 
-    __slots__ = ("scanners", "text", "_make", "_start", "_end", "_fed", "_from")
+    __slots__ = ("scanners", "text", "_make", "_start", "_end", "_fed", "_from", "_at")
 
     def __init__(self, make: Callable[[], CallScanner], start: re.Pattern[str],
-                 end: str) -> None:
+                 end: str = "") -> None:
         self.scanners: list[CallScanner] = []
         self.text = ""
         self._make, self._start, self._end = make, start, end
         self._fed = 0  # of ``text``, what the last call's scanner has been given
         self._from: int | None = None  # where the last call's end is looked for; None: ended
+        self._at = 0  # where the last call starts
 
     def feed(self, piece: str) -> list[tuple[int, str, bool]]:
         self.text += piece
@@ -110,18 +116,22 @@ class CallSequence:
                 if start is None:
                     break
                 self.scanners.append(self._make())
-                self._fed, self._from = start.start(), start.end()
+                self._at = self._fed = start.start()
+                self._from = start.end()
             k, scanner = len(self.scanners) - 1, self.scanners[-1]
-            end = self.text.find(self._end, self._from)
+            end = self.text.find(self._end, self._from) if self._end else -1
             upto = len(self.text) if end < 0 else end + len(self._end)
             arguments = scanner.feed(self.text[self._fed:upto])
             self._fed = upto
-            if end >= 0:
+            done = end >= 0
+            if not self._end and scanner.ended:  # the rest is the next call's
+                self._fed, done = self._at + scanner.read_to(), True
+            if done:
                 arguments += scanner.finish()
                 self._from = None
             if scanner.name is not None:
-                steps.append((k, arguments, end >= 0))
-            if end < 0:
+                steps.append((k, arguments, done))
+            if not done:
                 break
         return merged_steps(steps)
 

@@ -8,7 +8,8 @@ contents, say) reaches the client as it is written, not all at once at its end, 
 whole reply carries the very same arguments as the stream. A call cut off by
 ``max_tokens`` keeps the arguments written so far, as OpenAI's do. Calls in the tagged
 formats of ``qwen3_coder``, ``glm47`` and ``minimax_m2`` (``tool_calls_xml``) and in
-Kimi-K2's (``kimi_k2``, its JSON arguments as written) are followed too.
+Kimi-K2's (``kimi_k2``) and Mistral's ``NAME[ARGS]{...}`` (``mistral``), their JSON
+arguments as written, are followed too.
 
 Any other format, or a call written in another shape (JSON with ``arguments`` first, a
 list of calls), is parsed by the model family's mlx-lm parser once complete and goes out
@@ -48,6 +49,9 @@ _KIMI_CALL = re.compile(r"<\|tool_call_begin\|>")
 _KIMI_CALL_END = "<|tool_call_end|>"
 _KIMI_HEAD = re.compile(r"<\|tool_call_begin\|>\s*((?:functions\.)?(.+?):\d+)\s*"
                         r"<\|tool_call_argument_begin\|>", re.DOTALL)
+# Mistral: a call's header, and its head up to the start of its JSON arguments.
+_MISTRAL_CALL = re.compile(r"[\w-]+\s*\[ARGS\]")
+_MISTRAL_HEAD = re.compile(r"([\w-]+)\s*\[ARGS\]\s*(\{)")
 # The head of a JSON call, up to the first character of an object or array of arguments.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*([\[{])')
 
@@ -134,6 +138,25 @@ class JsonCallScanner(CallScanner):
             at += 1
         self._at = at
         return text[start:at]
+
+    def read_to(self) -> int:
+        return self._at
+
+
+class MistralCallScanner(JsonCallScanner):
+    """A Mistral call (mlx-lm's ``mistral`` parser), one of a span's ``NAME[ARGS]{...}``s:
+    its JSON arguments go out as written, and end the call where their value ends (the
+    format has no closing tag)."""
+
+    __slots__ = ()
+
+    def _find_head(self) -> re.Match[str] | None:
+        return _MISTRAL_HEAD.match(self.text)
+
+    def _opened(self, head: re.Match[str]) -> str | None:
+        self.name = head.group(1)
+        self._at = head.start(2)
+        return ""
 
 
 class KimiCallScanner(CallScanner):
@@ -260,6 +283,8 @@ def _follower_for(parser: Any, tools: list[dict] | None
                                     INVOKE_END)
     if module.endswith("kimi_k2"):
         return lambda: CallSequence(KimiCallScanner, _KIMI_CALL, _KIMI_CALL_END)
+    if module.endswith("mistral"):
+        return lambda: CallSequence(MistralCallScanner, _MISTRAL_CALL)
     return None
 
 
