@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 from mlx_lm.tool_parsers import kimi_k2, minimax_m2, mistral
 
 from mlx_serve.tool_calls import ToolCallStream
@@ -202,3 +203,80 @@ def test_a_kimi_span_without_sections_is_parsed_whole():
     assert (update.opened, update.done) == (True, True)
     assert [(c["id"], c["function"]["arguments"]) for c in calls] == [
         ("functions.look:0", '{"q": "a"}')]
+
+
+# -- through a reply: markers that are special tokens, a span with no end of its own ------
+
+FORMATS = {  # the parser, its markers (added as special tokens), a span with two calls
+    "mistral": (mistral, ["[TOOL_CALLS]", "[ARGS]"],
+                '[TOOL_CALLS]look[ARGS]{"q": "a"}edit[ARGS]{"path": "b c"}'),
+    "kimi_k2": (kimi_k2, ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                          "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                          "<|tool_call_end|>"],
+                "<|tool_calls_section_begin|><|tool_call_begin|>functions.look:0"
+                '<|tool_call_argument_begin|>{"q": "a"}<|tool_call_end|><|tool_call_begin|>'
+                'functions.edit:1<|tool_call_argument_begin|>{"path": "b c"}<|tool_call_end|>'
+                "<|tool_calls_section_end|>"),
+    "minimax_m2": (minimax_m2, ["<minimax:tool_call>", "</minimax:tool_call>"],
+                   '<minimax:tool_call>\n<invoke name="look">\n<parameter name="q">a'
+                   '</parameter>\n</invoke>\n<invoke name="edit">\n<parameter name="path">'
+                   "b c</parameter>\n</invoke>\n</minimax:tool_call>"),
+}
+
+
+def format_tokenizer(tiny_model_dir, folder, name: str):
+    """The tiny model's tokenizer, with this format's parser and its markers as special
+    tokens (as they are in the models that use them)."""
+    import shutil
+
+    from mlx_lm.utils import load_tokenizer
+    from tokenizers import Tokenizer
+
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / file, folder / file)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens(FORMATS[name][1])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tool_parser_type"] = name
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_reply_streams_each_call_of_a_span_as_it_is_written(tiny_model_dir, tmp_path, name):
+    from mlx_lm.generate import make_text_state_machine
+    from openai.types.chat import ChatCompletionChunk
+
+    from mlx_serve.generation import Delta, GenerationRequest, OutputOptions, SamplingParams
+    from mlx_serve.replies import Choice, ReplyShape
+    from mlx_serve.runner.special_tokens import SpecialTokens
+    from mlx_serve.runner.text import TextPipeline
+
+    tokenizer = format_tokenizer(tiny_model_dir, tmp_path, name)
+    span = FORMATS[name][2]
+    request = GenerationRequest("r", (1,), SamplingParams(max_tokens=500),
+                                output=OutputOptions(split_reasoning=True))
+    special = SpecialTokens(tokenizer, frozenset(tokenizer.eos_token_ids))
+    pipe = TextPipeline(tokenizer.detokenizer, request, make_text_state_machine(tokenizer),
+                        special.hidden(request, reads_markers=True))
+    shape = ReplyShape(chat=True, model="m", prompt_tokens=1,
+                       tool_parser=tokenizer.tool_parser, tools=TOOLS)
+    choice, chunks = Choice(0), []
+    tokens = tokenizer.encode("Sure." + span, add_special_tokens=False)
+    for token, finish in [(t, None) for t in tokens] + [(min(tokenizer.eos_token_ids), "stop")]:
+        piece = pipe.advance(token, finish)
+        delta = Delta(piece.content, 1, piece.finish, 0, piece.reasoning, piece.tool_calls,
+                      tool_text=piece.tool_text)
+        chunk = shape.delta_chunk(choice, delta, shape.absorb(choice, delta))
+        if chunk is not None:
+            chunks.append(ChatCompletionChunk.model_validate_json(chunk))
+    deltas = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name) for d in deltas if d.function.name] == [
+        (0, "look"), (1, "edit")]
+    assert len(deltas) > 2  # announced, then their arguments in pieces
+    joined = ["".join(d.function.arguments for d in deltas if d.index == i) for i in (0, 1)]
+    assert [json.loads(a) for a in joined] == [{"q": "a"}, {"path": "b c"}]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Sure."
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [c["function"]["arguments"] for c in choice.tool_calls] == joined  # a whole reply
