@@ -1,5 +1,6 @@
 """Spans holding several calls, followed while written: MiniMax-M2's ``<invoke>``s,
-Kimi-K2's ``<|tool_call_begin|>`` sections and Mistral's ``NAME[ARGS]{...}``s. Each call
+Kimi-K2's ``<|tool_call_begin|>`` sections, Mistral's ``NAME[ARGS]{...}``s and Gemma 4's
+``call:NAME{...}``s. Each call
 is announced once, in order, and its streamed arguments are what mlx-lm's parser makes
 of the whole span."""
 
@@ -9,7 +10,7 @@ import json
 import random
 
 import pytest
-from mlx_lm.tool_parsers import kimi_k2, minimax_m2, mistral
+from mlx_lm.tool_parsers import gemma4, kimi_k2, minimax_m2, mistral
 
 from mlx_serve.tool_calls import ToolCallStream
 
@@ -87,6 +88,33 @@ def mistral_span(rng: random.Random) -> str:
     return "".join(parts)
 
 
+def gemma_value(rng: random.Random, depth: int = 0) -> str:
+    kind = rng.randrange(6 if depth < 2 else 4)
+    if kind == 0:
+        text = "".join(rng.choice(["a", " ", "{", "}", ",", "x:", '"', "\\", "é", "\n", "<",
+                                   "<|", "[", "]"]) for _ in range(rng.randrange(6)))
+        return f'<|"|>{text}<|"|>'
+    if kind == 1:
+        return rng.choice(["5", "-2.5", "1e3", "0"])
+    if kind == 2:
+        return rng.choice(["true", "false", "null"])
+    if kind == 3:
+        return "[]"
+    if kind == 4:
+        return "[" + ",".join(gemma_value(rng, depth + 1) for _ in range(rng.randrange(1, 4))) + "]"
+    return gemma_object(rng, depth + 1)
+
+
+def gemma_object(rng: random.Random, depth: int = 0) -> str:
+    keys = rng.sample(["a", "b2", "path", "é", "x_y"], rng.randrange(0, 4))
+    return "{" + ",".join(f"{k}:{gemma_value(rng, depth)}" for k in keys) + "}"
+
+
+def gemma_span(rng: random.Random) -> str:
+    return "".join(f"{rng.choice(['', chr(10)])}call:{rng.choice(['look', 'edit', 'a-b'])}"
+                   f"{gemma_object(rng)}" for _ in range(rng.randrange(1, 4)))
+
+
 def streamed(parser, text: str, rng: random.Random):
     """Feed a span in random pieces, then complete it: the calls and every update."""
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(16))))
@@ -153,6 +181,27 @@ def test_mistral_calls_stream_their_arguments_as_written_whatever_the_cuts():
         check_updates(calls, updates)
 
 
+def test_gemma_calls_stream_as_json_whatever_the_cuts():
+    rng = random.Random(8)
+    for _ in range(400):
+        text = gemma_span(rng)
+        expected = as_list(gemma4.parse_tool_call(text, TOOLS))
+        calls, updates = streamed(gemma4.parse_tool_call, text, rng)
+        assert [c["function"]["name"] for c in calls] == [e["name"] for e in expected], text
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+            e["arguments"] for e in expected], text
+        check_updates(calls, updates)
+
+
+def test_a_gemma_string_streams_as_it_is_written():
+    stream, calls = ToolCallStream(gemma4.parse_tool_call, TOOLS), []
+    pieces = ['call:look{q:<|"|>wea', 'ther, {x:<|', '"|>,n:{', 'deep:1}}']
+    got = [[(u.opened, u.arguments, u.done) for u in stream.update(calls, (), p)]
+           for p in pieces]
+    assert got == [[(True, '{"q":"wea', False)], [(False, "ther, {x:", False)],
+                   [(False, '","n":{', False)], [(False, '"deep":1}}', True)]]
+
+
 def test_a_mistral_call_is_done_where_its_json_ends():
     stream, calls = ToolCallStream(mistral.parse_tool_call, TOOLS), []
     first = stream.update(calls, (), 'look[ARGS]{"q": {"a": "}"}}look[AR')
@@ -217,6 +266,8 @@ FORMATS = {  # the parser, its markers (added as special tokens), a span with tw
                 '<|tool_call_argument_begin|>{"q": "a"}<|tool_call_end|><|tool_call_begin|>'
                 'functions.edit:1<|tool_call_argument_begin|>{"path": "b c"}<|tool_call_end|>'
                 "<|tool_calls_section_end|>"),
+    "gemma4": (gemma4, ["<|tool_call>", "<tool_call|>", '<|"|>'],
+               '<|tool_call>call:look{q:<|"|>a<|"|>}call:edit{path:<|"|>b c<|"|>}<tool_call|>'),
     "minimax_m2": (minimax_m2, ["<minimax:tool_call>", "</minimax:tool_call>"],
                    '<minimax:tool_call>\n<invoke name="look">\n<parameter name="q">a'
                    '</parameter>\n</invoke>\n<invoke name="edit">\n<parameter name="path">'

@@ -9,7 +9,7 @@ whole reply carries the very same arguments as the stream. A call cut off by
 ``max_tokens`` keeps the arguments written so far, as OpenAI's do. Calls in the tagged
 formats of ``qwen3_coder``, ``glm47`` and ``minimax_m2`` (``tool_calls_xml``) and in
 Kimi-K2's (``kimi_k2``) and Mistral's ``NAME[ARGS]{...}`` (``mistral``), their JSON
-arguments as written, are followed too.
+arguments as written, and Gemma 4's (``tool_calls_gemma``) are followed too.
 
 Any other format, or a call written in another shape (JSON with ``arguments`` first, a
 list of calls), is parsed by the model family's mlx-lm parser once complete and goes out
@@ -34,6 +34,7 @@ from mlx_serve.call_scanner import (
     merged_steps,
 )
 from mlx_serve.stop_strings import held_back
+from mlx_serve.tool_calls_gemma import GEMMA_CALL, GemmaCallScanner
 from mlx_serve.tool_calls_xml import (
     INVOKE,
     INVOKE_END,
@@ -285,6 +286,8 @@ def _follower_for(parser: Any, tools: list[dict] | None
         return lambda: CallSequence(KimiCallScanner, _KIMI_CALL, _KIMI_CALL_END)
     if module.endswith("mistral"):
         return lambda: CallSequence(MistralCallScanner, _MISTRAL_CALL)
+    if module.endswith("gemma4"):
+        return lambda: CallSequence(GemmaCallScanner, GEMMA_CALL)
     return None
 
 

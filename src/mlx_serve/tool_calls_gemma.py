@@ -1,0 +1,108 @@
+"""Gemma 4's tool calls (mlx-lm's ``gemma4`` parser), followed while they are written.
+
+A span holds calls one after another, each ``call:NAME{...}``: JSON-like arguments whose
+strings are delimited by ``<|"|>`` and whose keys are bare words. The parser turns them
+into JSON by quoting the strings and each key that directly follows ``{`` or ``,``; the
+scanner does the same as the text comes, so the arguments stream as that JSON, character
+by character, and the call ends where its outer brace closes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from mlx_serve.call_scanner import CallScanner
+from mlx_serve.stop_strings import held_back
+
+GEMMA_CALL = re.compile(r"call:[\w-]+\{")
+_HEAD = re.compile(r"call:([\w-]+)\{")
+_QUOTE = '<|"|>'
+_WORD = re.compile(r"\w*")
+
+
+class GemmaCallScanner(CallScanner):
+    __slots__ = ("_at", "_depth", "_in_string", "_key_may_follow")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._at = 0
+        self._depth = 0
+        self._in_string = False
+        self._key_may_follow = False  # the last character read was "{" or ","
+
+    def _find_head(self) -> re.Match[str] | None:
+        return _HEAD.match(self.text)
+
+    def _opened(self, head: re.Match[str]) -> str | None:
+        self.name = head.group(1)
+        self._at, self._depth, self._key_may_follow = head.end(), 1, True
+        return "{"
+
+    def read_to(self) -> int:
+        return self._at
+
+    def _scan(self) -> str:
+        out: list[str] = []
+        text = self.text
+        while self._at < len(text) and not self.ended:
+            if self._in_string:
+                if not self._read_string(out):
+                    break
+            elif text.startswith(_QUOTE, self._at):
+                out.append('"')
+                self._at += len(_QUOTE)
+                self._in_string, self._key_may_follow = True, False
+            elif _QUOTE.startswith(text[self._at:]):
+                break  # may be a string's opening
+            elif self._key_may_follow:
+                if not self._read_word(out):
+                    break
+            else:
+                self._read_char(out, text[self._at])
+        return "".join(out)
+
+    def _read_string(self, out: list[str]) -> bool:
+        """A string's text up to its closing delimiter (or what cannot be part of it)."""
+        text = self.text
+        end = text.find(_QUOTE, self._at)
+        if end >= 0:
+            out.append(_escaped(text[self._at:end]) + '"')
+            self._at, self._in_string = end + len(_QUOTE), False
+            return True
+        rest = text[self._at:]
+        safe = rest[:len(rest) - held_back(rest, (_QUOTE,), len(_QUOTE))]
+        out.append(_escaped(safe))
+        self._at += len(safe)
+        return False
+
+    def _read_word(self, out: list[str]) -> bool:
+        """After "{" or ",": a bare word and ":" is a key, quoted; anything else is as is.
+        False while the text ends inside the word."""
+        text = self.text
+        word = _WORD.match(text, self._at)
+        assert word is not None
+        if word.end() == len(text):
+            return False
+        self._key_may_follow = False
+        if word.group() and text[word.end()] == ":":
+            out.append(json.dumps(word.group(), ensure_ascii=False) + ":")
+            self._at = word.end() + 1
+        elif word.group():
+            out.append(word.group())
+            self._at = word.end()
+        return True
+
+    def _read_char(self, out: list[str], ch: str) -> None:
+        out.append(ch)
+        self._at += 1
+        if ch == "{":
+            self._depth += 1
+        elif ch == "}":
+            self._depth -= 1
+            self.ended = self._depth == 0
+        self._key_may_follow = ch in "{,"
+
+
+def _escaped(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)[1:-1]
