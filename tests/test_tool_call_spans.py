@@ -1,8 +1,7 @@
 """Spans holding several calls, followed while written: MiniMax-M2's ``<invoke>``s,
 Kimi-K2's ``<|tool_call_begin|>`` sections, Mistral's ``NAME[ARGS]{...}``s and Gemma 4's
-``call:NAME{...}``s. Each call
-is announced once, in order, and its streamed arguments are what mlx-lm's parser makes
-of the whole span."""
+``call:NAME{...}``s. Each call is announced once, in order, and its streamed arguments
+are what mlx-lm's parser makes of the whole span."""
 
 from __future__ import annotations
 
