@@ -120,6 +120,8 @@ class CallSequence:
                 self._from = start.end()
             k, scanner = len(self.scanners) - 1, self.scanners[-1]
             end = self.text.find(self._end, self._from) if self._end else -1
+            if end < 0:  # the next search starts where an end could begin
+                self._from = max(self._from, len(self.text) - len(self._end) + 1)
             upto = len(self.text) if end < 0 else end + len(self._end)
             arguments = scanner.feed(self.text[self._fed:upto])
             self._fed = upto
