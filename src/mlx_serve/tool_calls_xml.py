@@ -95,6 +95,34 @@ class _TaggedCallScanner(CallScanner):
         self._value_at += len(safe)
         return _escaped(safe), False
 
+    def _scan(self) -> str:
+        """Parameters one after another, until the call's closing tag."""
+        out = []
+        while not self.ended:
+            if self._param is not None:
+                piece, closed = self._value()
+                out.append(piece)
+                if not closed:
+                    break
+                continue
+            tag = self._next_parameter()
+            if tag is not None:
+                out.append(self._start(*tag))
+                continue
+            if self._call_closes():
+                self.ended = True
+                out.append("}")
+            break  # more text is needed to know what comes next
+        return "".join(out)
+
+    def _next_parameter(self) -> tuple[str, int] | None:
+        """The next parameter's name and where its value starts, once its tag is complete."""
+        raise NotImplementedError
+
+    def _call_closes(self) -> bool:
+        """Whether the call's closing tag comes next."""
+        raise NotImplementedError
+
     def _is_string(self, name: str) -> bool:
         raise NotImplementedError
 
@@ -132,25 +160,12 @@ class XmlCallScanner(_TaggedCallScanner):
         self._at = head.end()
         return "{"
 
-    def _scan(self) -> str:
-        out = []
-        while not self.ended:
-            if self._param is not None:
-                piece, closed = self._value()
-                out.append(piece)
-                if not closed:
-                    break
-                continue
-            rest = self.text[self._at:]
-            tag = _PARAMETER.match(rest)
-            if tag is not None:
-                out.append(self._start(tag.group(1), self._at + tag.end()))
-                continue
-            if rest.lstrip().startswith(_CLOSE_FUNCTION):
-                self.ended = True
-                out.append("}")
-            break  # more text is needed to know what comes next
-        return "".join(out)
+    def _next_parameter(self) -> tuple[str, int] | None:
+        tag = _PARAMETER.match(self.text, self._at)
+        return None if tag is None else (tag.group(1), tag.end())
+
+    def _call_closes(self) -> bool:
+        return self.text[self._at:].lstrip().startswith(_CLOSE_FUNCTION)
 
     def _is_string(self, name: str) -> bool:
         param = self._config.get(name)
@@ -271,25 +286,15 @@ class MiniMaxCallScanner(_TaggedCallScanner):
         self._at = head.end()
         return "{"
 
-    def _scan(self) -> str:
-        out = []
-        while not self.ended:
-            if self._param is not None:
-                piece, closed = self._value()
-                out.append(piece)
-                if not closed:
-                    break
-                continue
-            tag = _MINIMAX_PARAMETER.search(self.text, self._at)
-            end = self.text.find(INVOKE_END, self._at)
-            if tag is not None and (end < 0 or tag.start() < end):
-                out.append(self._start(self._rules._extract_name(tag.group(1)), tag.end()))
-                continue
-            if end >= 0:
-                self.ended = True
-                out.append("}")
-            break  # more text is needed to know what comes next
-        return "".join(out)
+    def _next_parameter(self) -> tuple[str, int] | None:
+        tag = _MINIMAX_PARAMETER.search(self.text, self._at)
+        if tag is None or self._call_closes(before=tag.start()):
+            return None
+        return self._rules._extract_name(tag.group(1)), tag.end()
+
+    def _call_closes(self, before: int | None = None) -> bool:
+        """Whether ``</invoke>`` comes next (before the parameter at ``before``)."""
+        return self.text.find(INVOKE_END, self._at, before) >= 0
 
     def _types(self, name: str) -> list[str]:
         return self._rules._get_param_types_from_config(name, self._properties)
