@@ -1,7 +1,7 @@
 """Spans holding several calls, followed while written: MiniMax-M2's ``<invoke>``s,
-Kimi-K2's ``<|tool_call_begin|>`` sections, Mistral's ``NAME[ARGS]{...}``s and Gemma 4's
-``call:NAME{...}``s. Each call is announced once, in order, and its streamed arguments
-are what mlx-lm's parser makes of the whole span."""
+Kimi-K2's ``<|tool_call_begin|>`` sections, Kimi K3's XTML ``<|open|>call``s, Mistral's
+``NAME[ARGS]{...}``s and Gemma 4's ``call:NAME{...}``s. Each call is announced once, in
+order, and its streamed arguments are what mlx-lm's parser makes of the whole span."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import random
 
 import pytest
-from mlx_lm.tool_parsers import gemma4, kimi_k2, minimax_m2, mistral
+from mlx_lm.tool_parsers import gemma4, kimi_k2, kimi_k3, minimax_m2, mistral
 
 from mlx_serve.tool_calls import ToolCallStream
 
@@ -114,6 +114,41 @@ def gemma_span(rng: random.Random) -> str:
                    f"{gemma_object(rng)}" for _ in range(rng.randrange(1, 4)))
 
 
+XTML_PIECES = ["a", " ", "\n", "<|", "<|close|>arg", "<|close|>", '"', "\\", "é", "{", "}",
+               "sep|>", "1"]
+
+
+def xtml_argument(rng: random.Random, key: str) -> str:
+    kind = rng.choice(["string", "number", "object", "boolean", None])
+    if kind in ("string", None):
+        value = "".join(rng.choice(XTML_PIECES) for _ in range(rng.randrange(8)))
+    elif kind == "number":
+        value = rng.choice(["5", "-2.5", " 7 ", "x", ""])
+    elif kind == "boolean":
+        value = rng.choice(["true", "false", "yes"])
+    else:
+        value = rng.choice([json.dumps(rng.choice(ARGUMENTS)), "{a", "[1, 2]"])
+    typed = f' type="{kind}"' if kind else ""
+    return f'<|open|>argument key="{key}"{typed}<|sep|>{value}<|close|>argument<|sep|>'
+
+
+def xtml_span(rng: random.Random) -> str:
+    space = ["", "\n", "  "]
+    parts = [rng.choice(space)]
+    for i in range(rng.randrange(1, 4)):
+        name = rng.choice(["look", "edit", "say&quot;hi"])
+        parts.append(f'<|open|>call tool="{name}" index="{i}"<|sep|>{rng.choice(space)}')
+        if rng.random() < 0.3:
+            block = json.dumps(rng.choice(ARGUMENTS), indent=rng.choice([None, 2]))
+            parts.append(f'<|open|>json type="object"<|sep|>{rng.choice(space)}{block}'
+                         f"{rng.choice(space)}<|close|>json<|sep|>{rng.choice(space)}")
+        else:
+            for key in rng.sample(["q", "path", "n", "é", "x y"], rng.randrange(4)):
+                parts.append(xtml_argument(rng, key) + rng.choice(space))
+        parts.append("<|close|>call<|sep|>" + rng.choice(space))
+    return "".join(parts)
+
+
 def streamed(parser, text: str, rng: random.Random):
     """Feed a span in random pieces, then complete it: the calls and every update."""
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(16))))
@@ -171,6 +206,32 @@ def test_json_arguments_stream_whatever_the_cuts(parser, make_span, seed):
         assert all(c["function"]["arguments"] == c["function"]["arguments"].strip()
                    for c in calls)  # no space around them
         check_updates(calls, updates)
+
+
+def test_kimi_k3_calls_stream_as_the_parsers_arguments_whatever_the_cuts():
+    rng = random.Random(9)
+    for _ in range(400):
+        text = xtml_span(rng)
+        expected = as_list(kimi_k3.parse_tool_call(text, TOOLS))
+        calls, updates = streamed(kimi_k3.parse_tool_call, text, rng)
+        assert [c["function"]["name"] for c in calls] == [e["name"] for e in expected], text
+        for call, e in zip(calls, expected, strict=True):
+            arguments = call["function"]["arguments"]
+            assert json.loads(arguments) == e["arguments"], text
+            if "<|open|>json" not in text:  # argument by argument: the parser's JSON
+                assert arguments == json.dumps(e["arguments"], ensure_ascii=False), text
+        check_updates(calls, updates)
+
+
+def test_a_kimi_k3_string_streams_as_it_is_written():
+    stream, calls = ToolCallStream(kimi_k3.parse_tool_call, TOOLS), []
+    pieces = ['<|open|>call tool="look"<|sep|><|open|>argument key="q" type="string"<|sep|>we',
+              "ather<|close|>arg", 'ument<|sep|><|open|>argument key="n" type="number"<|sep|>4',
+              "2<|close|>argument<|sep|><|close|>call<|sep|>"]
+    got = [[(u.opened, u.arguments, u.done) for u in stream.update(calls, (), p)]
+           for p in pieces]
+    assert got == [[(True, '{"q": "we', False)], [(False, "ather", False)],
+                   [(False, '", "n": ', False)], [(False, "42}", True)]]
 
 
 def test_a_gemma_string_streams_as_it_is_written():
@@ -248,6 +309,11 @@ FORMATS = {  # the parser, its markers (added as special tokens), a span with tw
                 "<|tool_calls_section_end|>"),
     "gemma4": (gemma4, ["<|tool_call>", "<tool_call|>", '<|"|>'],
                '<|tool_call>call:look{q:<|"|>a<|"|>}call:edit{path:<|"|>b c<|"|>}<tool_call|>'),
+    "kimi_k3": (kimi_k3, ["<|open|>", "<|close|>", "<|sep|>"],
+                '<|open|>tools<|sep|><|open|>call tool="look"<|sep|><|open|>argument key="q"'
+                ' type="string"<|sep|>a<|close|>argument<|sep|><|close|>call<|sep|>'
+                '<|open|>call tool="edit"<|sep|><|open|>json type="object"<|sep|>'
+                '{"path": "b c"}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'),
     "minimax_m2": (minimax_m2, ["<minimax:tool_call>", "</minimax:tool_call>"],
                    '<minimax:tool_call>\n<invoke name="look">\n<parameter name="q">a'
                    '</parameter>\n</invoke>\n<invoke name="edit">\n<parameter name="path">'

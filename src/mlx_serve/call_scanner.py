@@ -7,10 +7,34 @@ model's tool-call text holds one call (``OneCall``) or several one after another
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 
+from mlx_serve.stop_strings import held_back
+
 HEAD_LIMIT = 512  # characters: a call without its head in them is parsed at its end
+
+
+def json_chars(text: str) -> str:
+    """Characters as they read inside a JSON string (per character: pieces join up)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def read_raw(text: str, at: int, end: str, started: bool) -> tuple[str, int, bool]:
+    """Raw text from ``at`` up to ``end``, less the space around it: what may go out now,
+    where reading goes on, and whether ``end`` was reached. Leading space is skipped only
+    until some text has gone out (``started``)."""
+    rest = text[at:]
+    if not started:
+        at += len(rest) - len(rest.lstrip())
+        rest = rest.lstrip()
+    stop = rest.find(end)
+    if stop >= 0:
+        return rest[:stop].rstrip(), at + stop + len(end), True
+    safe = rest[:len(rest) - held_back(rest, (end,), len(end))]
+    safe = safe[:len(safe.rstrip())]  # space before the end is not sent
+    return safe, at + len(safe), False
 
 
 class CallScanner:

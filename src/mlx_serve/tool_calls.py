@@ -9,7 +9,8 @@ whole reply carries the very same arguments as the stream. A call cut off by
 ``max_tokens`` keeps the arguments written so far, as OpenAI's do. Calls in the tagged
 formats of ``qwen3_coder``, ``glm47`` and ``minimax_m2`` (``tool_calls_xml``) and in
 Kimi-K2's (``kimi_k2``) and Mistral's ``NAME[ARGS]{...}`` (``mistral``), their JSON
-arguments as written, and Gemma 4's (``tool_calls_gemma``) are followed too.
+arguments as written, Gemma 4's (``tool_calls_gemma``) and Kimi K3's
+(``tool_calls_xtml``) are followed too.
 
 Any other format, or a call written in another shape (JSON with ``arguments`` first, a
 list of calls), is parsed by the model family's mlx-lm parser once complete and goes out
@@ -32,8 +33,8 @@ from mlx_serve.call_scanner import (
     OneCall,
     SpanFollower,
     merged_steps,
+    read_raw,
 )
-from mlx_serve.stop_strings import held_back
 from mlx_serve.tool_calls_gemma import GEMMA_CALL, GemmaCallScanner
 from mlx_serve.tool_calls_xml import (
     INVOKE,
@@ -42,6 +43,7 @@ from mlx_serve.tool_calls_xml import (
     MiniMaxCallScanner,
     XmlCallScanner,
 )
+from mlx_serve.tool_calls_xtml import XTML_CALL, XTML_CALL_END, XtmlCallScanner
 
 log = logging.getLogger(__name__)
 
@@ -182,20 +184,9 @@ class KimiCallScanner(CallScanner):
         return ""
 
     def _scan(self) -> str:
-        rest = self.text[self._at:]
-        if not self._sent:
-            self._at += len(rest) - len(rest.lstrip())
-            rest = rest.lstrip()
-        end = rest.find(_KIMI_CALL_END)
-        if end >= 0:
-            self.ended = True
-            self._at += end + len(_KIMI_CALL_END)
-            return rest[:end].rstrip()
-        safe = rest[:len(rest) - held_back(rest, (_KIMI_CALL_END,), len(_KIMI_CALL_END))]
-        safe = safe[:len(safe.rstrip())]  # space before the end is not sent
-        self._at += len(safe)
-        self._sent = self._sent or bool(safe)
-        return safe
+        piece, self._at, self.ended = read_raw(self.text, self._at, _KIMI_CALL_END, self._sent)
+        self._sent = self._sent or bool(piece)
+        return piece
 
 
 class ToolCallStream:
@@ -288,6 +279,9 @@ def _follower_for(parser: Any, tools: list[dict] | None
         return lambda: CallSequence(MistralCallScanner, _MISTRAL_CALL)
     if module.endswith("gemma4"):
         return lambda: CallSequence(GemmaCallScanner, GEMMA_CALL)
+    if module.endswith("kimi_k3"):
+        return lambda: CallSequence(lambda: XtmlCallScanner(parser, tools), XTML_CALL,
+                                    XTML_CALL_END)
     return None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from mlx_serve.call_scanner import CallScanner
+from mlx_serve.call_scanner import CallScanner, json_chars
 from mlx_serve.stop_strings import held_back
 
 GEMMA_CALL = re.compile(r"call:[\w-]+\{")
@@ -67,12 +67,12 @@ class GemmaCallScanner(CallScanner):
         text = self.text
         end = text.find(_QUOTE, self._at)
         if end >= 0:
-            out.append(_escaped(text[self._at:end]) + '"')
+            out.append(json_chars(text[self._at:end]) + '"')
             self._at, self._in_string = end + len(_QUOTE), False
             return True
         rest = text[self._at:]
         safe = rest[:len(rest) - held_back(rest, (_QUOTE,), len(_QUOTE))]
-        out.append(_escaped(safe))
+        out.append(json_chars(safe))
         self._at += len(safe)
         return False
 
@@ -102,7 +102,3 @@ class GemmaCallScanner(CallScanner):
             self._depth -= 1
             self.ended = self._depth == 0
         self._key_may_follow = ch in "{,"
-
-
-def _escaped(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)[1:-1]

@@ -26,7 +26,7 @@ import re
 import sys
 from typing import Any
 
-from mlx_serve.call_scanner import CallScanner
+from mlx_serve.call_scanner import CallScanner, json_chars
 from mlx_serve.stop_strings import held_back
 
 _FUNCTION = re.compile(r"\s*<function=\s*([^\s<>]+)>")
@@ -41,12 +41,7 @@ _MINIMAX_PARAMETER = re.compile(r"<parameter name=([^>]+)>")
 _STRING_TYPES = frozenset({"string", "str", "text"})
 
 
-def _escaped(text: str) -> str:
-    """Characters as they read inside a JSON string (per character: pieces join up)."""
-    return json.dumps(text, ensure_ascii=False)[1:-1]
-
-
-class _TaggedCallScanner(CallScanner):
+class TaggedCallScanner(CallScanner):
     """What both tagged formats share: parameters one after another, each a key, then a
     value up to ``CLOSE``; a string value streams as it comes, any other goes out whole
     once its tag closes. Subclasses say which values are strings, what of a string's
@@ -71,7 +66,7 @@ class _TaggedCallScanner(CallScanner):
         """A parameter's key is complete: its JSON key goes out."""
         self._param, self._opened_string, self._value_at = name, False, value_at
         self._params += 1
-        return (", " if self._params > 1 else "") + json.dumps(name) + ": "
+        return (", " if self._params > 1 else "") + json.dumps(name, ensure_ascii=False) + ": "
 
     def _value(self) -> tuple[str, bool]:
         """What of the current value can go out now, and whether it closed."""
@@ -91,9 +86,9 @@ class _TaggedCallScanner(CallScanner):
                 return "", False
             self._opened_string = True
             self._value_at += len(safe)
-            return '"' + _escaped(body), False
+            return '"' + json_chars(body), False
         self._value_at += len(safe)
-        return _escaped(safe), False
+        return json_chars(safe), False
 
     def _scan(self) -> str:
         """Parameters one after another, until the call's closing tag."""
@@ -139,7 +134,7 @@ class _TaggedCallScanner(CallScanner):
         raise NotImplementedError
 
 
-class XmlCallScanner(_TaggedCallScanner):
+class XmlCallScanner(TaggedCallScanner):
     """A Qwen3-Coder call: ``<function=NAME>``, ``<parameter=NAME>`` tags, ``</function>``.
     The parser drops one newline at each end of a value, reads ``null`` as null, and keeps
     as text a parameter typed as a string or not in the schema."""
@@ -186,7 +181,7 @@ class XmlCallScanner(_TaggedCallScanner):
     def _closing(self, rest: str) -> str:
         assert self._param is not None
         if self._opened_string:  # the parser drops one newline before the tag
-            return _escaped(rest[:-1] if rest.endswith("\n") else rest) + '"'
+            return json_chars(rest[:-1] if rest.endswith("\n") else rest) + '"'
         whole = rest[1:] if rest.startswith("\n") else rest
         whole = whole[:-1] if whole.endswith("\n") else whole
         if whole.lower() == "null":
@@ -198,7 +193,7 @@ class XmlCallScanner(_TaggedCallScanner):
         return json.dumps(value, ensure_ascii=False)
 
 
-class GlmCallScanner(_TaggedCallScanner):
+class GlmCallScanner(TaggedCallScanner):
     """A call in GLM-4.5-4.7's format (mlx-lm's ``glm47`` parser): the function's name,
     then ``<arg_key>k</arg_key><arg_value>v</arg_value>`` pairs, and no closing tag of
     its own (the span's end closes it). The name is known at the first ``<arg_key>``; a
@@ -255,13 +250,13 @@ class GlmCallScanner(_TaggedCallScanner):
 
     def _closing(self, rest: str) -> str:
         if self._opened_string:
-            return _escaped(rest.rstrip()) + '"'
+            return json_chars(rest.rstrip()) + '"'
         if self._param in self._strings:
             return json.dumps(rest.strip(), ensure_ascii=False)
         return json.dumps(self._rules._deserialize(rest.strip()), ensure_ascii=False)
 
 
-class MiniMaxCallScanner(_TaggedCallScanner):
+class MiniMaxCallScanner(TaggedCallScanner):
     """A MiniMax-M2 call (mlx-lm's ``minimax_m2`` parser), one of a span's ``<invoke>``s:
     ``<invoke name="NAME">``, ``<parameter name="KEY">VALUE</parameter>``s, ``</invoke>``.
     A value is stripped, reads ``null`` as null, and stays text when the schema types it
@@ -314,7 +309,7 @@ class MiniMaxCallScanner(_TaggedCallScanner):
     def _closing(self, rest: str) -> str:
         assert self._param is not None
         if self._opened_string:
-            return _escaped(rest.rstrip()) + '"'
+            return json_chars(rest.rstrip()) + '"'
         value = self._rules._convert_param_value_with_types(rest.strip(),
                                                             self._types(self._param))
         return json.dumps(value, ensure_ascii=False)
