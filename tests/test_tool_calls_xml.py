@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
-from mlx_lm.tool_parsers import glm47, qwen3_coder
+import pytest
+from mlx_lm.tool_parsers import glm47, longcat, qwen3_coder
 
 from mlx_serve.tool_calls import ToolCallStream
 from mlx_serve.tool_calls_xml import XmlCallScanner
@@ -107,6 +109,8 @@ def glm_value(rng: random.Random, name: str) -> str:
         return rng.choice(['{"a": [1, 2]}', "[1, 'two']", "not json", " {} "])
     if name == "flag":
         return rng.choice(["true", "True", "false", "null"])
+    if rng.random() < 0.2:  # text that reads as a value unless the schema says string
+        return rng.choice(["12", "true", "[1]", "'q'", " 7 "])
     return "".join(rng.choice(GLM_PIECES) for _ in range(rng.randrange(0, 12)))
 
 
@@ -120,8 +124,30 @@ def random_glm_call(rng: random.Random) -> str:
     return "".join(parts)
 
 
+# The parsers' ast.literal_eval warns about the backslashes of random text.
+@pytest.mark.filterwarnings("ignore:invalid escape sequence")
 def test_glm_arguments_stream_as_the_parsers_json_whatever_the_cuts():
     check_against_the_parser(glm47.parse_tool_call, GLM_TOOLS, random_glm_call, seed=5)
+
+
+def random_longcat_call(rng: random.Random) -> str:
+    """A GLM call in LongCat-Flash's tags (mlx-lm's ``longcat``)."""
+    call = re.sub(r"<(/?)arg_(key|value)>", r"<\1longcat_arg_\2>", random_glm_call(rng))
+    return call.replace("</arg_val", "</longcat_arg_val")  # a value's pieces like its end
+
+
+# The parsers' ast.literal_eval warns about the backslashes of random text.
+@pytest.mark.filterwarnings("ignore:invalid escape sequence")
+def test_longcat_arguments_stream_as_the_parsers_json_whatever_the_cuts():
+    check_against_the_parser(longcat.parse_tool_call, GLM_TOOLS, random_longcat_call, seed=6)
+
+
+def test_a_parser_that_fails_drops_the_call_not_the_reply(caplog):
+    stream, calls = ToolCallStream(longcat.parse_tool_call, GLM_TOOLS), []
+    with pytest.raises(AttributeError):  # longcat's parser on a call without arguments
+        longcat.parse_tool_call("get_time", GLM_TOOLS)
+    assert stream.update(calls, ("get_time",), "") == [] and calls == []
+    assert "could not parse a tool call" in caplog.text
 
 
 def test_a_glm_call_cut_off_inside_a_value_is_incomplete():

@@ -6,11 +6,10 @@ name) as soon as its name is complete, and its arguments go out piece by piece, 
 the model writes them, up to the end of their JSON value. So a long call (a file's
 contents, say) reaches the client as it is written, not all at once at its end, and a
 whole reply carries the very same arguments as the stream. A call cut off by
-``max_tokens`` keeps the arguments written so far, as OpenAI's do. Calls in the tagged
-formats of ``qwen3_coder``, ``glm47`` and ``minimax_m2`` (``tool_calls_xml``) and in
-Kimi-K2's (``kimi_k2``) and Mistral's ``NAME[ARGS]{...}`` (``mistral``), their JSON
-arguments as written, Gemma 4's (``tool_calls_gemma``) and Kimi K3's
-(``tool_calls_xtml``) are followed too.
+``max_tokens`` keeps the arguments written so far, as OpenAI's do. Followed too: the
+tagged formats of ``qwen3_coder``, ``glm47``, ``longcat`` and ``minimax_m2``
+(``tool_calls_xml``), Kimi-K2's and Mistral's JSON arguments (``kimi_k2``, ``mistral``:
+sent as written), Gemma 4's (``tool_calls_gemma``) and Kimi K3's (``tool_calls_xtml``).
 
 Any other format, or a call written in another shape (JSON with ``arguments`` first, a
 list of calls), is parsed by the model family's mlx-lm parser once complete and goes out
@@ -40,6 +39,7 @@ from mlx_serve.tool_calls_xml import (
     INVOKE,
     INVOKE_END,
     GlmCallScanner,
+    LongCatCallScanner,
     MiniMaxCallScanner,
     XmlCallScanner,
 )
@@ -74,7 +74,7 @@ def parse_tool_calls(parser: Any, tools: list[dict] | None, text: str) -> list[d
     """A raw tool-call span -> OpenAI tool calls, using the model family's mlx-lm parser."""
     try:
         parsed = parser(text, tools)
-    except (ValueError, KeyError, TypeError) as exc:  # e.g. cut off by max_tokens
+    except Exception as exc:  # e.g. cut off by max_tokens; a parser's own bug fails no reply
         log.warning("could not parse a tool call (%s): %.200r", exc, text)
         return []
     calls = []
@@ -270,6 +270,8 @@ def _follower_for(parser: Any, tools: list[dict] | None
         return lambda: OneCall(XmlCallScanner(parser, tools))
     if module.endswith("glm47"):
         return lambda: OneCall(GlmCallScanner(parser, tools))
+    if module.endswith("longcat"):
+        return lambda: OneCall(LongCatCallScanner(parser, tools))
     if module.endswith("minimax_m2"):
         return lambda: CallSequence(lambda: MiniMaxCallScanner(parser, tools), INVOKE,
                                     INVOKE_END)

@@ -33,6 +33,8 @@ _FUNCTION = re.compile(r"\s*<function=\s*([^\s<>]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=\s*([^\s<>]+)>")
 _CLOSE_FUNCTION = "</function>"
 _ARG_KEY = re.compile(r"<arg_key>(.*?)</arg_key>(?:\\n|\s)*<arg_value>", re.DOTALL)
+_LONGCAT_ARG_KEY = re.compile(
+    r"<longcat_arg_key>(.*?)</longcat_arg_key>(?:\\n|\s)*<longcat_arg_value>", re.DOTALL)
 # MiniMax-M2: a span's calls, each from INVOKE to the first INVOKE_END, as its parser splits.
 INVOKE = re.compile(r"<invoke name=")
 INVOKE_END = "</invoke>"
@@ -201,6 +203,8 @@ class GlmCallScanner(TaggedCallScanner):
     read by the parser's ``_deserialize``."""
 
     CLOSE = "</arg_value>"
+    KEY = "<arg_key>"
+    PAIR = _ARG_KEY
     __slots__ = ("_strings",)
 
     def __init__(self, parser: Any, tools: list[dict] | None) -> None:
@@ -208,16 +212,20 @@ class GlmCallScanner(TaggedCallScanner):
         self._strings: set[str] = set()
 
     def _find_head(self) -> re.Match[str] | None:
-        return re.search("<arg_key>", self.text)
+        return re.search(re.escape(self.KEY), self.text)
 
     def _opened(self, head: re.Match[str]) -> str | None:
         name = self.text[:head.start()].strip()
         if not name:
             return None
         self.name = name
-        self._strings = self._rules._get_string_arg_names(name, self._tools)
+        self._strings = self._string_args(name)
         self._at = head.start()
         return "{"
+
+    def _string_args(self, name: str) -> set[str]:
+        """The function's parameters that the parser keeps as text."""
+        return self._rules._get_string_arg_names(name, self._tools)
 
     def finish(self) -> str:
         if self.name is None or self._param is not None or self.ended:
@@ -233,7 +241,7 @@ class GlmCallScanner(TaggedCallScanner):
                 out.append(piece)
                 if not closed:
                     break
-            pair = _ARG_KEY.search(self.text, self._at)
+            pair = self.PAIR.search(self.text, self._at)
             if pair is None:
                 break
             out.append(self._start(pair.group(1).strip(), pair.end()))
@@ -254,6 +262,25 @@ class GlmCallScanner(TaggedCallScanner):
         if self._param in self._strings:
             return json.dumps(rest.strip(), ensure_ascii=False)
         return json.dumps(self._rules._deserialize(rest.strip()), ensure_ascii=False)
+
+
+class LongCatCallScanner(GlmCallScanner):
+    """A LongCat-Flash call (mlx-lm's ``longcat`` parser): GLM's pairs, in ``longcat_``
+    tags. A parameter the schema types ``string`` stays text (the parser's own test)."""
+
+    CLOSE = "</longcat_arg_value>"
+    KEY = "<longcat_arg_key>"
+    PAIR = _LONGCAT_ARG_KEY
+    __slots__ = ()
+
+    def _string_args(self, name: str) -> set[str]:
+        for tool in self._tools or []:
+            function = tool.get("function") or {}
+            if function.get("name") == name:
+                properties = (function.get("parameters") or {}).get("properties") or {}
+                return {arg for arg in properties
+                        if self._rules._is_string_type(name, arg, self._tools)}
+        return set()
 
 
 class MiniMaxCallScanner(TaggedCallScanner):
