@@ -79,3 +79,20 @@ def test_markers_made_of_special_tokens_still_route_thinking_and_calls(agentic_t
     assert calls == [call]  # inside a call every token reaches its parser
     # Without the state machine (a completion) the markers are special tokens like any.
     assert run_text(agentic_tokenizer, text)[0] == "planSure." + call.replace(IM_START, "")
+
+
+def test_requests_with_the_same_settings_share_one_set_and_the_sets_kept_are_bounded(
+        tiny_tokenizer):
+    from mlx_serve.runner import special_tokens
+
+    special = special_tokens.SpecialTokens(tiny_tokenizer, frozenset(tiny_tokenizer.eos_token_ids))
+
+    def request(*stop: str) -> GenerationRequest:
+        return GenerationRequest("r", (1,), SamplingParams(max_tokens=5, stop=stop))
+
+    first = special.hidden(request("a", IM_START), reads_markers=False)
+    assert special.hidden(request("a", IM_START), reads_markers=False) is first
+    assert 1 not in first and 1 in special.hidden(request("a"), reads_markers=False)
+    for i in range(3 * special_tokens._SETS_KEPT):
+        special.hidden(request(str(i)), reads_markers=False)
+    assert len(special._sets) <= special_tokens._SETS_KEPT

@@ -88,8 +88,9 @@ class CallScanner:
 
 
 class OneCall:
-    """A span that holds one call (``json_tools``, ``qwen3_coder``, ``glm47``): its
-    scanner reads the whole span, and the call is done when the span is."""
+    """A span that holds one call (``json_tools``, ``qwen3_coder``, ``glm47``,
+    ``longcat``): its scanner reads the whole span, and the call is done when the span
+    is."""
 
     __slots__ = ("scanners",)
 
@@ -115,8 +116,8 @@ class OneCall:
 
 class CallSequence:
     """A span that holds calls one after another (MiniMax-M2's ``<invoke>``s, Kimi-K2's
-    ``<|tool_call_begin|>`` sections, Mistral's ``NAME[ARGS]{...}``s): each starts at a
-    match of ``start`` and has its own scanner. It runs to the first ``end`` after that,
+    ``<|tool_call_begin|>`` sections, Mistral's ``NAME[ARGS]{...}``s, ...): each starts
+    at a match of ``start`` and has its own scanner. It runs to the first ``end`` after that,
     as the parsers split them, or, with no ``end``, to where its scanner ends it (the end
     of its arguments' JSON value). A call is done at its end."""
 

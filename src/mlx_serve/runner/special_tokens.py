@@ -19,6 +19,8 @@ from typing import Any
 
 from mlx_serve.generation import GenerationRequest
 
+_SETS_KEPT = 256  # requests' distinct settings whose sets are kept
+
 
 class SpecialTokens:
     def __init__(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
@@ -29,18 +31,31 @@ class SpecialTokens:
         self._all = frozenset(self._texts)
         self._unmarked = frozenset(i for i, text in self._texts.items()
                                    if not any(text in marker for marker in markers))
+        self._sets: dict[tuple[bool, bool, tuple[str, ...]], frozenset[int]] = {}
 
     def hidden(self, request: GenerationRequest, reads_markers: bool) -> frozenset[int]:
         """The tokens left out of ``request``'s text outside tool calls; ``reads_markers``:
         its text goes through the state machine, which must see the markers."""
-        eos = self.eos if request.params.ignore_eos else frozenset()
+        ignore_eos = request.params.ignore_eos
         if not request.output.skip_special_tokens:
-            return eos
+            return self.eos if ignore_eos else frozenset()
+        # Made on the MLX thread as a request is admitted: a tokenizer may have thousands
+        # of special tokens, and requests mostly share their settings.
+        key = (reads_markers, ignore_eos, request.params.stop)
+        found = self._sets.get(key)
+        if found is None:
+            if len(self._sets) >= _SETS_KEPT:
+                self._sets.clear()
+            found = self._sets[key] = self._make(*key)
+        return found
+
+    def _make(self, reads_markers: bool, ignore_eos: bool, stop: tuple[str, ...]
+              ) -> frozenset[int]:
         hidden = self._unmarked if reads_markers else self._all
-        if request.params.stop:
+        if stop:
             hidden = frozenset(i for i in hidden
-                               if not any(self._texts[i] in s for s in request.params.stop))
-        return hidden | eos
+                               if not any(self._texts[i] in s for s in stop))
+        return hidden | self.eos if ignore_eos else hidden
 
 
 def marker_strings(tokenizer: Any) -> tuple[str, ...]:
