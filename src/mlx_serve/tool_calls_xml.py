@@ -1,6 +1,7 @@
 """Tool calls in tagged formats, followed while they are written: the XML of
-Qwen3-Coder and later Qwen models (mlx-lm's ``qwen3_coder`` parser) and GLM-4.5-4.7's
-pairs (``glm47``):
+Qwen3-Coder and later Qwen models (mlx-lm's ``qwen3_coder`` parser), GLM-4.5-4.7's
+pairs (``glm47``; LongCat-Flash's, ``longcat``, are the same in ``longcat_`` tags) and
+MiniMax-M2's ``<invoke name=...>`` with ``<parameter name=...>`` tags (``minimax_m2``):
 
     <function=write_file>                    write_file
     <parameter=path>                         <arg_key>path</arg_key>
@@ -44,7 +45,7 @@ _STRING_TYPES = frozenset({"string", "str", "text"})
 
 
 class TaggedCallScanner(CallScanner):
-    """What both tagged formats share: parameters one after another, each a key, then a
+    """What the tagged formats share: parameters one after another, each a key, then a
     value up to ``CLOSE``; a string value streams as it comes, any other goes out whole
     once its tag closes. Subclasses say which values are strings, what of a string's
     text may go out yet, and what a closed value reads as."""
@@ -125,8 +126,12 @@ class TaggedCallScanner(CallScanner):
 
     def _streamable(self, value: str) -> tuple[str, str]:
         """Of a string's text not sent yet: what may go out (``safe``), and that text
-        less what the parser trims at a value's start (the first piece's ``body``)."""
-        raise NotImplementedError
+        less what the parser trims at a value's start (the first piece's ``body``). Here,
+        for a parser that strips values: what may yet be the closing tag, or space at the
+        end, waits."""
+        safe = value[:len(value) - held_back(value, (self.CLOSE,), len(self.CLOSE))]
+        safe = safe[:len(safe.rstrip())]
+        return safe, safe.lstrip()
 
     def _may_open(self, body: str) -> bool:
         return bool(body)
@@ -250,12 +255,6 @@ class GlmCallScanner(TaggedCallScanner):
     def _is_string(self, name: str) -> bool:
         return name in self._strings
 
-    def _streamable(self, value: str) -> tuple[str, str]:
-        # What may yet be the closing tag, or trailing space the parser strips, waits.
-        safe = value[:len(value) - held_back(value, (self.CLOSE,), len(self.CLOSE))]
-        safe = safe[:len(safe.rstrip())]
-        return safe, safe.lstrip()
-
     def _closing(self, rest: str) -> str:
         if self._opened_string:
             return json_chars(rest.rstrip()) + '"'
@@ -323,12 +322,6 @@ class MiniMaxCallScanner(TaggedCallScanner):
 
     def _is_string(self, name: str) -> bool:
         return {t.lower() for t in self._types(name)} <= _STRING_TYPES
-
-    def _streamable(self, value: str) -> tuple[str, str]:
-        # What may yet be the closing tag, or trailing space the parser strips, waits.
-        safe = value[:len(value) - held_back(value, (self.CLOSE,), len(self.CLOSE))]
-        safe = safe[:len(safe.rstrip())]
-        return safe, safe.lstrip()
 
     def _may_open(self, body: str) -> bool:
         return _not_null_yet(body)
