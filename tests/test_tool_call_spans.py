@@ -161,6 +161,13 @@ def streamed(parser, text: str, rng: random.Random):
     return calls, updates
 
 
+def per_piece(parser, pieces: list[str]) -> list[list[tuple[bool, str, bool]]]:
+    """Each piece's updates of an open span: (opened, argument text, done)."""
+    stream, calls = ToolCallStream(parser.parse_tool_call, TOOLS), []
+    return [[(u.opened, u.arguments, u.done) for u in stream.update(calls, (), p)]
+            for p in pieces]
+
+
 def check_updates(calls: list[dict], updates) -> None:
     """Each call opened once and done once, in order; its pieces join into its arguments."""
     assert [u.position for u in updates if u.opened] == list(range(len(calls)))
@@ -224,22 +231,16 @@ def test_kimi_k3_calls_stream_as_the_parsers_arguments_whatever_the_cuts():
 
 
 def test_a_kimi_k3_string_streams_as_it_is_written():
-    stream, calls = ToolCallStream(kimi_k3.parse_tool_call, TOOLS), []
     pieces = ['<|open|>call tool="look"<|sep|><|open|>argument key="q" type="string"<|sep|>we',
               "ather<|close|>arg", 'ument<|sep|><|open|>argument key="n" type="number"<|sep|>4',
               "2<|close|>argument<|sep|><|close|>call<|sep|>"]
-    got = [[(u.opened, u.arguments, u.done) for u in stream.update(calls, (), p)]
-           for p in pieces]
-    assert got == [[(True, '{"q": "we', False)], [(False, "ather", False)],
+    assert per_piece(kimi_k3, pieces) == [[(True, '{"q": "we', False)], [(False, "ather", False)],
                    [(False, '", "n": ', False)], [(False, "42}", True)]]
 
 
 def test_a_gemma_string_streams_as_it_is_written():
-    stream, calls = ToolCallStream(gemma4.parse_tool_call, TOOLS), []
     pieces = ['call:look{q:<|"|>wea', 'ther, {x:<|', '"|>,n:{', 'deep:1}}']
-    got = [[(u.opened, u.arguments, u.done) for u in stream.update(calls, (), p)]
-           for p in pieces]
-    assert got == [[(True, '{"q":"wea', False)], [(False, "ther, {x:", False)],
+    assert per_piece(gemma4, pieces) == [[(True, '{"q":"wea', False)], [(False, "ther, {x:", False)],
                    [(False, '","n":{', False)], [(False, '"deep":1}}', True)]]
 
 
