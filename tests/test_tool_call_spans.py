@@ -240,8 +240,9 @@ def test_a_kimi_k3_string_streams_as_it_is_written():
 
 def test_a_gemma_string_streams_as_it_is_written():
     pieces = ['call:look{q:<|"|>wea', 'ther, {x:<|', '"|>,n:{', 'deep:1}}']
-    assert per_piece(gemma4, pieces) == [[(True, '{"q":"wea', False)], [(False, "ther, {x:", False)],
-                   [(False, '","n":{', False)], [(False, '"deep":1}}', True)]]
+    assert per_piece(gemma4, pieces) == [
+        [(True, '{"q":"wea', False)], [(False, "ther, {x:", False)],
+        [(False, '","n":{', False)], [(False, '"deep":1}}', True)]]
 
 
 def test_a_mistral_call_is_done_where_its_json_ends():
