@@ -234,8 +234,9 @@ def test_a_kimi_k3_string_streams_as_it_is_written():
     pieces = ['<|open|>call tool="look"<|sep|><|open|>argument key="q" type="string"<|sep|>we',
               "ather<|close|>arg", 'ument<|sep|><|open|>argument key="n" type="number"<|sep|>4',
               "2<|close|>argument<|sep|><|close|>call<|sep|>"]
-    assert per_piece(kimi_k3, pieces) == [[(True, '{"q": "we', False)], [(False, "ather", False)],
-                   [(False, '", "n": ', False)], [(False, "42}", True)]]
+    assert per_piece(kimi_k3, pieces) == [
+        [(True, '{"q": "we', False)], [(False, "ather", False)],
+        [(False, '", "n": ', False)], [(False, "42}", True)]]
 
 
 def test_a_gemma_string_streams_as_it_is_written():
