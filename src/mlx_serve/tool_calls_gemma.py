@@ -53,7 +53,7 @@ class GemmaCallScanner(CallScanner):
                 out.append('"')
                 self._at += len(_QUOTE)
                 self._in_string, self._key_may_follow = True, False
-            elif _QUOTE.startswith(text[self._at:]):
+            elif len(text) - self._at < len(_QUOTE) and _QUOTE.startswith(text[self._at:]):
                 break  # may be a string's opening
             elif self._key_may_follow:
                 if not self._read_word(out):
