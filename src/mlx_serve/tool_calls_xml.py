@@ -51,8 +51,8 @@ class TaggedCallScanner(CallScanner):
     text may go out yet, and what a closed value reads as."""
 
     CLOSE = ""
-    __slots__ = ("_rules", "_tools", "_at", "_param", "_value_at", "_opened_string",
-                 "_params")
+    __slots__ = ("_rules", "_tools", "_at", "_param", "_value_at", "_close_from",
+                 "_opened_string", "_params")
 
     def __init__(self, parser: Any, tools: list[dict] | None) -> None:
         """``parser``: the model's mlx-lm parse function, whose module has the rules."""
@@ -62,28 +62,31 @@ class TaggedCallScanner(CallScanner):
         self._at = 0  # where the next tag is looked for
         self._param: str | None = None  # the parameter whose value is being read
         self._value_at = 0  # where the part of that value not sent yet starts
+        self._close_from = 0  # where its closing tag is looked for
         self._opened_string = False  # its opening quote has gone out
         self._params = 0
 
     def _start(self, name: str, value_at: int) -> str:
         """A parameter's key is complete: its JSON key goes out."""
         self._param, self._opened_string, self._value_at = name, False, value_at
+        self._close_from = value_at
         self._params += 1
         return (", " if self._params > 1 else "") + json.dumps(name, ensure_ascii=False) + ": "
 
     def _value(self) -> tuple[str, bool]:
         """What of the current value can go out now, and whether it closed."""
         assert self._param is not None
-        value = self.text[self._value_at:]
-        end = value.find(self.CLOSE)
+        end = self.text.find(self.CLOSE, self._close_from)
         if end >= 0:
-            self._at = self._value_at + end + len(self.CLOSE)
-            piece = self._closing(value[:end])
+            self._at = end + len(self.CLOSE)
+            piece = self._closing(self.text[self._value_at:end])
             self._param = None
             return piece, True
+        # A long value is read once, not again with every piece.
+        self._close_from = max(self._close_from, len(self.text) - len(self.CLOSE) + 1)
         if not self._is_string(self._param):
             return "", False
-        safe, body = self._streamable(value)
+        safe, body = self._streamable(self.text[self._value_at:])
         if not self._opened_string:
             if not self._may_open(body):
                 return "", False
