@@ -343,40 +343,81 @@ def format_tokenizer(tiny_model_dir, folder, name: str):
     return load_tokenizer(folder)
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
-def test_a_reply_streams_each_call_of_a_span_as_it_is_written(tiny_model_dir, tmp_path, name):
+def format_deltas(tiny_model_dir, folder, name: str):
+    """A reply "Sure." then the format's span of two calls, as the runner's text pipeline
+    turns its tokens into deltas (then an end-of-sequence token); and its tokenizer."""
     from mlx_lm.generate import make_text_state_machine
-    from openai.types.chat import ChatCompletionChunk
 
     from mlx_serve.generation import Delta, GenerationRequest, OutputOptions, SamplingParams
-    from mlx_serve.replies import Choice, ReplyShape
     from mlx_serve.runner.special_tokens import SpecialTokens
     from mlx_serve.runner.text import TextPipeline
 
-    tokenizer = format_tokenizer(tiny_model_dir, tmp_path, name)
-    span = FORMATS[name][2]
+    tokenizer = format_tokenizer(tiny_model_dir, folder, name)
     request = GenerationRequest("r", (1,), SamplingParams(max_tokens=500),
                                 output=OutputOptions(split_reasoning=True))
     special = SpecialTokens(tokenizer, frozenset(tokenizer.eos_token_ids))
     pipe = TextPipeline(tokenizer.detokenizer, request, make_text_state_machine(tokenizer),
                         special.hidden(request, reads_markers=True))
+    tokens = tokenizer.encode("Sure." + FORMATS[name][2], add_special_tokens=False)
+    deltas = []
+    for token, finish in [(t, None) for t in tokens] + [(min(tokenizer.eos_token_ids), "stop")]:
+        piece = pipe.advance(token, finish)
+        deltas.append(Delta(piece.content, 1, piece.finish, 0, piece.reasoning,
+                            piece.tool_calls, tool_text=piece.tool_text))
+    return deltas, tokenizer
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_reply_streams_each_call_of_a_span_as_it_is_written(tiny_model_dir, tmp_path, name):
+    from openai.types.chat import ChatCompletionChunk
+
+    from mlx_serve.replies import Choice, ReplyShape
+
+    deltas, tokenizer = format_deltas(tiny_model_dir, tmp_path, name)
     shape = ReplyShape(chat=True, model="m", prompt_tokens=1,
                        tool_parser=tokenizer.tool_parser, tools=TOOLS)
     choice, chunks = Choice(0), []
-    tokens = tokenizer.encode("Sure." + span, add_special_tokens=False)
-    for token, finish in [(t, None) for t in tokens] + [(min(tokenizer.eos_token_ids), "stop")]:
-        piece = pipe.advance(token, finish)
-        delta = Delta(piece.content, 1, piece.finish, 0, piece.reasoning, piece.tool_calls,
-                      tool_text=piece.tool_text)
+    for delta in deltas:
         chunk = shape.delta_chunk(choice, delta, shape.absorb(choice, delta))
         if chunk is not None:
             chunks.append(ChatCompletionChunk.model_validate_json(chunk))
-    deltas = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name) for d in deltas if d.function.name] == [
+    calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name) for d in calls if d.function.name] == [
         (0, "look"), (1, "edit")]
-    assert len(deltas) > 2  # announced, then their arguments in pieces
-    joined = ["".join(d.function.arguments for d in deltas if d.index == i) for i in (0, 1)]
+    assert len(calls) > 2  # announced, then their arguments in pieces
+    joined = ["".join(d.function.arguments for d in calls if d.index == i) for i in (0, 1)]
     assert [json.loads(a) for a in joined] == [{"q": "a"}, {"path": "b c"}]
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Sure."
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert [c["function"]["arguments"] for c in choice.tool_calls] == joined  # a whole reply
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_response_streams_each_call_as_its_own_item(tiny_model_dir, tmp_path, name):
+    from mlx_serve.protocol import ResponsesRequest
+    from mlx_serve.replies import ReplyShape
+    from mlx_serve.responses_api import ResponseBuilder
+    from mlx_serve.responses_stream import _OutputItems
+    from tests.test_responses_stream import sdk_events
+
+    deltas, tokenizer = format_deltas(tiny_model_dir, tmp_path, name)
+    shape = ReplyShape(chat=True, model="m", prompt_tokens=1,
+                       tool_parser=tokenizer.tool_parser, tools=TOOLS)
+    items = _OutputItems(ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", "r"),
+                         shape)
+    frames = [f for delta in deltas for f in items.delta(delta)]
+    closing, final = items.closing(None)
+    events = sdk_events(frames + closing)
+    output = final["output"]
+    assert [(o["type"], o.get("name"), o["status"]) for o in output] == [
+        ("message", None, "completed"), ("function_call", "look", "completed"),
+        ("function_call", "edit", "completed")]
+    opened = [(e.type, e.output_index) for e in events if e.type.startswith(
+        "response.output_item")]
+    # The first call is done before the second opens; each at the final Response's index.
+    assert opened.index(("response.output_item.done", 1)) < opened.index(
+        ("response.output_item.added", 2))
+    for index in (1, 2):
+        pieces = "".join(e.delta for e in events if e.type.endswith("arguments.delta")
+                         and e.output_index == index)
+        assert pieces == output[index]["arguments"]
