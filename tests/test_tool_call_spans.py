@@ -182,16 +182,23 @@ def as_list(parsed) -> list[dict]:
     return parsed if isinstance(parsed, list) else [parsed]
 
 
-def test_minimax_calls_stream_as_the_parsers_json_whatever_the_cuts():
-    rng = random.Random(5)
+def fuzzed(parser, make_span, seed: int):
+    """400 random spans, each streamed in random pieces and checked for its calls' names
+    and updates: yields the span, the parser's calls and the streamed ones."""
+    rng = random.Random(seed)
     for _ in range(400):
-        text = minimax_span(rng)
-        expected = as_list(minimax_m2.parse_tool_call(text, TOOLS))
-        calls, updates = streamed(minimax_m2.parse_tool_call, text, rng)
-        assert [c["function"] for c in calls] == [
-            {"name": e["name"], "arguments": json.dumps(e["arguments"], ensure_ascii=False)}
-            for e in expected], text
+        text = make_span(rng)
+        expected = as_list(parser.parse_tool_call(text, TOOLS))
+        calls, updates = streamed(parser.parse_tool_call, text, rng)
+        assert [c["function"]["name"] for c in calls] == [e["name"] for e in expected], text
         check_updates(calls, updates)
+        yield text, expected, calls
+
+
+def test_minimax_calls_stream_as_the_parsers_json_whatever_the_cuts():
+    for text, expected, calls in fuzzed(minimax_m2, minimax_span, seed=5):
+        assert [c["function"]["arguments"] for c in calls] == [
+            json.dumps(e["arguments"], ensure_ascii=False) for e in expected], text
 
 
 @pytest.mark.parametrize("parser, make_span, seed", [
@@ -200,34 +207,22 @@ def test_minimax_calls_stream_as_the_parsers_json_whatever_the_cuts():
 def test_json_arguments_stream_whatever_the_cuts(parser, make_span, seed):
     """Kimi-K2's and Mistral's arguments go out as written, Gemma's as the JSON its
     parser makes of them: either way they read as the parser's arguments."""
-    rng = random.Random(seed)
-    for _ in range(400):
-        text = make_span(rng)
-        expected = as_list(parser.parse_tool_call(text, TOOLS))
-        calls, updates = streamed(parser.parse_tool_call, text, rng)
-        assert [c["function"]["name"] for c in calls] == [e["name"] for e in expected], text
+    for text, expected, calls in fuzzed(parser, make_span, seed):
         assert [json.loads(c["function"]["arguments"]) for c in calls] == [
             e["arguments"] for e in expected], text
         # The model's own id where it writes one (Kimi's functions.NAME:N).
         assert all(e.get("id", c["id"]) == c["id"] for c, e in zip(calls, expected, strict=True))
         assert all(c["function"]["arguments"] == c["function"]["arguments"].strip()
                    for c in calls)  # no space around them
-        check_updates(calls, updates)
 
 
 def test_kimi_k3_calls_stream_as_the_parsers_arguments_whatever_the_cuts():
-    rng = random.Random(9)
-    for _ in range(400):
-        text = xtml_span(rng)
-        expected = as_list(kimi_k3.parse_tool_call(text, TOOLS))
-        calls, updates = streamed(kimi_k3.parse_tool_call, text, rng)
-        assert [c["function"]["name"] for c in calls] == [e["name"] for e in expected], text
+    for text, expected, calls in fuzzed(kimi_k3, xtml_span, seed=9):
         for call, e in zip(calls, expected, strict=True):
             arguments = call["function"]["arguments"]
             assert json.loads(arguments) == e["arguments"], text
             if "<|open|>json" not in text:  # argument by argument: the parser's JSON
                 assert arguments == json.dumps(e["arguments"], ensure_ascii=False), text
-        check_updates(calls, updates)
 
 
 def test_a_kimi_k3_string_streams_as_it_is_written():
