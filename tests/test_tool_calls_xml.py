@@ -156,3 +156,12 @@ def test_a_glm_call_cut_off_inside_a_value_is_incomplete():
     stream.update(calls, (text,), "")
     assert calls[0]["function"]["arguments"] == '{"path": "src/main'
     assert stream.cut_off == {0}
+
+
+def test_a_longcat_call_for_a_tool_without_parameters_streams():
+    # longcat's own type test indexes "parameters", which a tool may leave out.
+    tools = [{"type": "function", "function": {"name": "edit"}}, *GLM_TOOLS]
+    stream, calls = ToolCallStream(longcat.parse_tool_call, tools), []
+    text = "edit\n<longcat_arg_key>path</longcat_arg_key><longcat_arg_value>a"
+    (update,) = stream.update(calls, (), text)
+    assert (update.opened, calls[0]["function"]["name"]) == (True, "edit")
