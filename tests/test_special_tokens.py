@@ -32,9 +32,7 @@ def run_text(tokenizer, text: str, *, split: bool = False, skip: bool = True,
                                 output=OutputOptions(split_reasoning=split,
                                                      skip_special_tokens=skip))
     machine = make_text_state_machine(tokenizer) if split else None
-    pipe = TextPipeline(tokenizer.detokenizer, request, machine,
-                        special.hidden(request, reads_markers=split),
-                        special.eos if ignore_eos else frozenset())
+    pipe = TextPipeline(tokenizer.detokenizer, request, machine, special)
     tokens = tokenizer.encode(text, add_special_tokens=False)
     content, reasoning, calls, finish = "", "", [], None
     for i, token in enumerate(tokens):

@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.tool_parsers import gemma4, kimi_k2, kimi_k3, minimax_m2, mistral
 
 from mlx_serve.tool_calls import ToolCallStream
+from tests.test_tool_calls_xml import fed_in_pieces
 
 TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {
     "type": "object", "properties": {
@@ -151,12 +152,7 @@ def xtml_span(rng: random.Random) -> str:
 
 def streamed(parser, text: str, rng: random.Random):
     """Feed a span in random pieces, then complete it: the calls and every update."""
-    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(16))))
-    stream, calls, updates, at = ToolCallStream(parser, TOOLS), [], [], 0
-    for cut in cuts:
-        updates += stream.update(calls, (), text[at:cut])
-        at = cut
-    updates += stream.update(calls, (text,), "")
+    stream, calls, updates = fed_in_pieces(parser, TOOLS, text, rng, most=16)
     assert stream.cut_off == set()
     return calls, updates
 
@@ -352,7 +348,7 @@ def format_deltas(tiny_model_dir, folder, name: str):
                                 output=OutputOptions(split_reasoning=True))
     special = SpecialTokens(tokenizer, frozenset(tokenizer.eos_token_ids))
     pipe = TextPipeline(tokenizer.detokenizer, request, make_text_state_machine(tokenizer),
-                        special.hidden(request, reads_markers=True))
+                        special)
     tokens = tokenizer.encode("Sure." + FORMATS[name][2], add_special_tokens=False)
     deltas = []
     for token, finish in [(t, None) for t in tokens] + [(min(tokenizer.eos_token_ids), "stop")]:

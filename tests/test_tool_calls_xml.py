@@ -48,6 +48,18 @@ def random_call(rng: random.Random) -> str:
     return "".join(parts)
 
 
+def fed_in_pieces(parser, tools, text: str, rng: random.Random, most: int):
+    """Feed a span cut at fewer than ``most`` random places, then complete it: the
+    stream, its calls and every update."""
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(most))))
+    stream, calls, updates, at = ToolCallStream(parser, tools), [], [], 0
+    for cut in cuts:
+        updates += stream.update(calls, (), text[at:cut])
+        at = cut
+    updates += stream.update(calls, (text,), "")
+    return stream, calls, updates
+
+
 def check_against_the_parser(parser, tools, make_call, seed: int) -> None:
     """Random calls fed in random pieces: the streamed arguments must be exactly the JSON
     of the parser's arguments for the whole call, announced once, done at the end."""
@@ -55,12 +67,7 @@ def check_against_the_parser(parser, tools, make_call, seed: int) -> None:
     for _ in range(400):
         text = make_call(rng)
         expected = json.dumps(parser(text, tools)["arguments"], ensure_ascii=False)
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(12))))
-        stream, calls, updates, at = ToolCallStream(parser, tools), [], [], 0
-        for cut in cuts:
-            updates += stream.update(calls, (), text[at:cut])
-            at = cut
-        updates += stream.update(calls, (text,), "")
+        stream, calls, updates = fed_in_pieces(parser, tools, text, rng, most=12)
         (call,) = calls
         assert call["function"] == {"name": "edit", "arguments": expected}, text
         assert "".join(u.arguments for u in updates) == expected

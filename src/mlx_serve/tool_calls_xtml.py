@@ -34,13 +34,14 @@ _JSON_END = "<|close|>json<|sep|>"
 
 class XtmlCallScanner(TaggedCallScanner):
     CLOSE = "<|close|>argument<|sep|>"
-    __slots__ = ("_type", "_json_at", "_json_sent")
+    __slots__ = ("_type", "_json_at", "_json_sent", "_block_read")
 
     def __init__(self, parser: Any, tools: list[dict] | None) -> None:
         super().__init__(parser, tools)
         self._type = "string"  # the type attribute of the argument being read
         self._json_at: int | None = None  # in a JSON block: where its unread text starts
         self._json_sent = False
+        self._block_read = False  # its end has been read
 
     def _find_head(self) -> re.Match[str] | None:
         return _HEAD.search(self.text)
@@ -64,13 +65,12 @@ class XtmlCallScanner(TaggedCallScanner):
 
     def _read_block(self) -> str:
         assert self._json_at is not None
-        if self._json_at < 0:  # read: only the call's end is left
-            self.ended = self._call_closes()
-            return ""
-        piece, at, done = read_raw(self.text, self._json_at, _JSON_END, self._json_sent)
-        self._json_sent = self._json_sent or bool(piece)
-        self._json_at = -1 if done else at
-        self.ended = done and self._call_closes()
+        piece = ""
+        if not self._block_read:
+            piece, self._json_at, self._block_read = read_raw(
+                self.text, self._json_at, _JSON_END, self._json_sent)
+            self._json_sent = self._json_sent or bool(piece)
+        self.ended = self._block_read and self._call_closes()  # then only the call's end
         return piece
 
     def _start(self, name: str, value_at: int) -> str:

@@ -232,10 +232,8 @@ class Runner:
 
     def _new_live(self, request: GenerationRequest) -> Live:
         # Special tokens take their place in the reply but show no text (as vLLM's).
-        reads_markers = request.output.split_reasoning and self._text_machine is not None
         text = TextPipeline(self._new_detokenizer(), request, self._text_machine,
-                            self._special.hidden(request, reads_markers),
-                            self._special.eos if request.params.ignore_eos else frozenset())
+                            self._special)
         return Live(request, text)
 
     def _admit(self, admissions: Sequence[GenerationRequest]) -> list[tuple[str, Exception]]:

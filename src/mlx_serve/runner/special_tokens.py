@@ -49,6 +49,10 @@ class SpecialTokens:
             found = self._sets[key] = self._make(*key)
         return found
 
+    def hidden_in_call(self, request: GenerationRequest) -> frozenset[int]:
+        """The tokens left out inside a tool call: only an ignored end-of-sequence one."""
+        return self.eos if request.params.ignore_eos else frozenset()
+
     def _make(self, reads_markers: bool, ignore_eos: bool, stop: tuple[str, ...]
               ) -> frozenset[int]:
         hidden = self._unmarked if reads_markers else self._all

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from mlx_lm.generate import TextStateMachine
 
 from mlx_serve.generation import FinishReason, GenerationRequest
+from mlx_serve.runner.special_tokens import SpecialTokens
 from mlx_serve.stop_strings import StopStringMatcher
 
 
@@ -30,10 +31,8 @@ class TextPipeline:
                  "_state", "_prev", "_tool_text", "_one_call")
 
     def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any,
-                 hidden: frozenset[int] = frozenset(),
-                 hidden_in_call: frozenset[int] = frozenset()) -> None:
-        """``hidden``: tokens that count but add no text (special_tokens.py);
-        ``hidden_in_call``: those of them that add none inside a tool call either."""
+                 special: SpecialTokens | None = None) -> None:
+        """``special``: which tokens count but add no text (None: every token adds its)."""
         self._detok = detokenizer
         if request.output.keep_leading_space:
             _keep_leading_space(detokenizer)
@@ -41,11 +40,13 @@ class TextPipeline:
                                         request.params.include_stop_str_in_output)
         # As vLLM: stop strings count only in the text of tokens after min_tokens.
         self._unchecked = request.params.min_tokens
-        self._hidden = hidden
-        self._hidden_in_call = hidden_in_call
         # The state machine strips thinking/tool-call markers (mlx-lm's, per tokenizer).
         use_machine = request.output.split_reasoning and machine is not None
         self._machine = machine if use_machine else None
+        self._hidden = self._hidden_in_call = frozenset[int]()
+        if special is not None:
+            self._hidden = special.hidden(request, reads_markers=use_machine)
+            self._hidden_in_call = special.hidden_in_call(request)
         initial = request.output.initial_state
         self._state = machine.make_state(initial) if self._machine is not None else None
         self._prev: str | None = initial
