@@ -21,6 +21,16 @@ def json_chars(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
+def grown(holder: CallScanner | CallSequence, piece: str) -> str:
+    """``holder.text + piece``, grown in place where CPython can: ``self.text += piece``
+    copies the whole text at every piece, which makes a long call cost the square of its
+    length (an attribute is never grown in place; a local variable that holds the only
+    reference is)."""
+    text, holder.text = holder.text, ""
+    text += piece
+    return text
+
+
 def read_raw(text: str, at: int, end: str, started: bool) -> tuple[str, int, bool]:
     """Raw text from ``at`` up to ``end``, less the space around it: what may go out now,
     where reading goes on, and whether ``end`` was reached. Leading space is skipped only
@@ -53,7 +63,7 @@ class CallScanner:
 
     def feed(self, piece: str) -> str:
         """Take more of the call's text; return the argument text it adds."""
-        self.text += piece
+        self.text = grown(self, piece)
         if self.name is not None:
             return self._scan()
         if self._gave_up:
@@ -133,7 +143,7 @@ class CallSequence:
         self._at = 0  # where the last call starts
 
     def feed(self, piece: str) -> list[tuple[int, str, bool]]:
-        self.text += piece
+        self.text = grown(self, piece)
         steps: list[tuple[int, str, bool]] = []
         while True:
             if self._from is None:

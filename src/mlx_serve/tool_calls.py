@@ -250,7 +250,7 @@ class ToolCallStream:
                 calls.append(new_call(scanner.name or "", "", scanner.call_id))
             position = self._positions[k]
             call = calls[position]
-            call["function"]["arguments"] += arguments
+            _append_arguments(call["function"], arguments)
             if done:
                 if not scanner.ended:
                     self.cut_off.add(position)
@@ -285,6 +285,14 @@ def _follower_for(parser: Any, tools: list[dict] | None
         return lambda: CallSequence(lambda: XtmlCallScanner(parser, tools), XTML_CALL,
                                     XTML_CALL_END)
     return None
+
+
+def _append_arguments(function: dict, arguments: str) -> None:
+    """Add to a call's arguments, grown in place as ``call_scanner.grown`` explains (a
+    dict's value, like an attribute, is otherwise copied whole at every piece)."""
+    joined, function["arguments"] = function["arguments"], ""
+    joined += arguments
+    function["arguments"] = joined
 
 
 def _check_arguments(call: dict) -> None:
