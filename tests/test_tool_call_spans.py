@@ -1,7 +1,8 @@
 """Spans holding several calls, followed while written: MiniMax-M2's ``<invoke>``s,
 Kimi-K2's ``<|tool_call_begin|>`` sections, Kimi K3's XTML ``<|open|>call``s, Mistral's
-``NAME[ARGS]{...}``s and Gemma 4's ``call:NAME{...}``s. Each call is announced once, in
-order, and its streamed arguments are what mlx-lm's parser makes of the whole span."""
+``NAME[ARGS]{...}``s, Gemma 4's ``call:NAME{...}``s and a pythonic list of calls. Each
+call is announced once, in order, and its streamed arguments are what mlx-lm's parser
+makes of the whole span."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import random
 
 import pytest
-from mlx_lm.tool_parsers import gemma4, kimi_k2, kimi_k3, minimax_m2, mistral
+from mlx_lm.tool_parsers import gemma4, kimi_k2, kimi_k3, minimax_m2, mistral, pythonic
 
 from mlx_serve.tool_calls import ToolCallStream
 from tests.test_tool_calls_xml import fed_in_pieces
@@ -312,6 +313,8 @@ FORMATS = {  # the parser, its markers (added as special tokens), a span with tw
                    '<minimax:tool_call>\n<invoke name="look">\n<parameter name="q">a'
                    '</parameter>\n</invoke>\n<invoke name="edit">\n<parameter name="path">'
                    "b c</parameter>\n</invoke>\n</minimax:tool_call>"),
+    "pythonic": (pythonic, ["<|tool_call_start|>", "<|tool_call_end|>"],
+                 '<|tool_call_start|>[look(q="a"), edit(path=\'b c\')]<|tool_call_end|>'),
 }
 
 

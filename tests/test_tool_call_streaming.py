@@ -9,7 +9,7 @@ import random
 
 import httpx
 import pytest
-from mlx_lm.tool_parsers import json_tools, pythonic
+from mlx_lm.tool_parsers import function_gemma, json_tools
 
 from mlx_serve.generation import FinishReason
 from mlx_serve.tool_calls import CallUpdate, ToolCallStream
@@ -121,11 +121,11 @@ def test_a_call_cut_off_keeps_the_arguments_written_so_far(caplog):
 
 
 def test_other_formats_are_parsed_whole_at_their_end():
-    text = '[get_weather(city="Paris")]'  # the pythonic format's
+    text = "call:get_weather{city:<escape>Paris<escape>}"  # FunctionGemma's
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    stream, calls = ToolCallStream(pythonic.parse_tool_call, tools), []
-    assert stream.update(calls, (), text[:20]) == []
+    stream, calls = ToolCallStream(function_gemma.parse_tool_call, tools), []
+    assert stream.update(calls, (), text[:30]) == []
     (update,) = stream.update(calls, (text,), "")
     assert (update.opened, update.done) == (True, True)
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
