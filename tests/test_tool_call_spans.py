@@ -10,7 +10,7 @@ import json
 import random
 
 import pytest
-from mlx_lm.tool_parsers import gemma4, kimi_k2, kimi_k3, minimax_m2, mistral, pythonic
+from mlx_lm.tool_parsers import gemma4, kimi_k2, kimi_k3, minicpm5, minimax_m2, mistral, pythonic
 
 from mlx_serve.tool_calls import ToolCallStream
 from tests.test_tool_calls_xml import fed_in_pieces
@@ -313,6 +313,9 @@ FORMATS = {  # the parser, its markers (added as special tokens), a span with tw
                    '<minimax:tool_call>\n<invoke name="look">\n<parameter name="q">a'
                    '</parameter>\n</invoke>\n<invoke name="edit">\n<parameter name="path">'
                    "b c</parameter>\n</invoke>\n</minimax:tool_call>"),
+    "minicpm5": (minicpm5, ["<function name=", "</function>"],  # a span a call
+                 '<function name="look"><param name="q">a</param></function>'
+                 '<function name="edit"><param name="path"><![CDATA[b c]]></param></function>'),
     "pythonic": (pythonic, ["<|tool_call_start|>", "<|tool_call_end|>"],
                  '<|tool_call_start|>[look(q="a"), edit(path=\'b c\')]<|tool_call_end|>'),
 }
