@@ -10,7 +10,16 @@ import json
 import random
 
 import pytest
-from mlx_lm.tool_parsers import gemma4, kimi_k2, kimi_k3, minicpm5, minimax_m2, mistral, pythonic
+from mlx_lm.tool_parsers import (
+    gemma4,
+    kimi_k2,
+    kimi_k3,
+    minicpm5,
+    minimax_m2,
+    mistral,
+    muse_spark,
+    pythonic,
+)
 
 from mlx_serve.tool_calls import ToolCallStream
 from tests.test_tool_calls_xml import fed_in_pieces
@@ -316,6 +325,10 @@ FORMATS = {  # the parser, its markers (added as special tokens), a span with tw
     "minicpm5": (minicpm5, ["<function name=", "</function>"],  # a span a call
                  '<function name="look"><param name="q">a</param></function>'
                  '<function name="edit"><param name="path"><![CDATA[b c]]></param></function>'),
+    "muse_spark": (muse_spark, ["<atem:function_calls>", "</atem:function_calls>"],
+                   '<atem:function_calls><atem:invoke name="look"><atem:parameter name="q">a'
+                   '</atem:parameter></atem:invoke><atem:invoke name="edit"><atem:parameter '
+                   'name="path">b c</atem:parameter></atem:invoke></atem:function_calls>'),
     "pythonic": (pythonic, ["<|tool_call_start|>", "<|tool_call_end|>"],
                  '<|tool_call_start|>[look(q="a"), edit(path=\'b c\')]<|tool_call_end|>'),
 }
