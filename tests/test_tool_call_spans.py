@@ -11,6 +11,7 @@ import random
 
 import pytest
 from mlx_lm.tool_parsers import (
+    function_gemma,
     gemma4,
     kimi_k2,
     kimi_k3,
@@ -322,6 +323,11 @@ FORMATS = {  # the parser, its markers (added as special tokens), a span with tw
                    '<minimax:tool_call>\n<invoke name="look">\n<parameter name="q">a'
                    '</parameter>\n</invoke>\n<invoke name="edit">\n<parameter name="path">'
                    "b c</parameter>\n</invoke>\n</minimax:tool_call>"),
+    "function_gemma": (function_gemma, ["<start_function_call>", "<end_function_call>",
+                                        "<escape>"],  # a span a call
+                       "<start_function_call>call:look{q:<escape>a<escape>}<end_function_call>"
+                       "<start_function_call>call:edit{path:<escape>b c<escape>}"
+                       "<end_function_call>"),
     "minicpm5": (minicpm5, ["<function name=", "</function>"],  # a span a call
                  '<function name="look"><param name="q">a</param></function>'
                  '<function name="edit"><param name="path"><![CDATA[b c]]></param></function>'),

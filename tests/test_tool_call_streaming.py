@@ -9,7 +9,7 @@ import random
 
 import httpx
 import pytest
-from mlx_lm.tool_parsers import function_gemma, json_tools
+from mlx_lm.tool_parsers import json_tools
 
 from mlx_serve.generation import FinishReason
 from mlx_serve.tool_calls import CallUpdate, ToolCallStream
@@ -120,12 +120,15 @@ def test_a_call_cut_off_keeps_the_arguments_written_so_far(caplog):
     assert whole.cut_off == set()
 
 
-def test_other_formats_are_parsed_whole_at_their_end():
-    text = "call:get_weather{city:<escape>Paris<escape>}"  # FunctionGemma's
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    stream, calls = ToolCallStream(function_gemma.parse_tool_call, tools), []
-    assert stream.update(calls, (), text[:30]) == []
+def parse_city(text: str, tools=None) -> dict:
+    """A parser from no mlx-lm module: a format that no scanner follows."""
+    return {"name": "get_weather", "arguments": {"city": text.removeprefix("weather=")}}
+
+
+def test_a_format_no_scanner_follows_is_parsed_whole_at_its_end():
+    text = "weather=Paris"
+    stream, calls = ToolCallStream(parse_city, None), []
+    assert stream.update(calls, (), text[:10]) == []
     (update,) = stream.update(calls, (text,), "")
     assert (update.opened, update.done) == (True, True)
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}

@@ -9,13 +9,13 @@ whole reply carries the very same arguments as the stream. A call cut off by
 ``max_tokens`` keeps the arguments written so far, as OpenAI's do. Followed too: the
 tagged formats of ``qwen3_coder``, ``glm47``, ``longcat`` and ``minimax_m2``
 (``tool_calls_xml``), Kimi-K2's and Mistral's JSON arguments (``kimi_k2``, ``mistral``:
-sent as written), Gemma 4's (``tool_calls_gemma``), Kimi K3's (``tool_calls_xtml``),
-MiniCPM5's (``tool_calls_minicpm``), Muse Spark's (``tool_calls_atem``) and the Python
-calls of ``pythonic`` (``tool_calls_pythonic``).
+sent as written), Gemma 4's and FunctionGemma's (``tool_calls_gemma``), Kimi K3's
+(``tool_calls_xtml``), MiniCPM5's (``tool_calls_minicpm``), Muse Spark's
+(``tool_calls_atem``) and the Python calls of ``pythonic`` (``tool_calls_pythonic``).
 
-Any other format, or a call written in another shape (JSON with ``arguments`` first, a
-list of calls), is parsed by the model family's mlx-lm parser once complete and goes out
-whole.
+A call written in another shape (JSON with ``arguments`` first, a list of calls), or in
+a format none of these follows, is parsed by the model family's mlx-lm parser once
+complete and goes out whole.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from mlx_serve.call_scanner import (
     read_raw,
 )
 from mlx_serve.tool_calls_atem import ATEM_CALL, AtemCallScanner
-from mlx_serve.tool_calls_gemma import GEMMA_CALL, GemmaCallScanner
+from mlx_serve.tool_calls_gemma import GEMMA_CALL, FunctionGemmaCallScanner, GemmaCallScanner
 from mlx_serve.tool_calls_minicpm import MiniCpmCallScanner
 from mlx_serve.tool_calls_pythonic import PYTHONIC_CALL, PythonicCallScanner, plain_json
 from mlx_serve.tool_calls_xml import (
@@ -291,6 +291,8 @@ def _follower_for(parser: Any, tools: list[dict] | None
                                     XTML_CALL_END)
     if module.endswith("minicpm5"):
         return lambda: OneCall(MiniCpmCallScanner(parser, tools))
+    if module.endswith("function_gemma"):
+        return lambda: OneCall(FunctionGemmaCallScanner())
     if module.endswith("muse_spark"):
         return lambda: CallSequence(lambda: AtemCallScanner(parser), ATEM_CALL)
     if module.endswith("pythonic"):

@@ -1,10 +1,14 @@
-"""Gemma 4's tool calls (mlx-lm's ``gemma4`` parser), followed while they are written.
+"""Gemma 4's and FunctionGemma's tool calls (mlx-lm's ``gemma4`` and ``function_gemma``
+parsers), followed while they are written.
 
-A span holds calls one after another, each ``call:NAME{...}``: JSON-like arguments whose
-strings are delimited by ``<|"|>`` and whose keys are bare words. The parser turns them
-into JSON by quoting the strings and each key that directly follows ``{`` or ``,``; the
-scanner does the same as the text comes, so the arguments stream as that JSON, character
-by character, and the call ends where its outer brace closes.
+A Gemma 4 span holds calls one after another, each ``call:NAME{...}``: JSON-like
+arguments whose strings are delimited by ``<|"|>`` and whose keys are bare words. The
+parser turns them into JSON by quoting the strings and each key that directly follows
+``{`` or ``,``; the scanner does the same as the text comes, so the arguments stream as
+that JSON, character by character, and the call ends where its outer brace closes.
+
+FunctionGemma writes one ``call:NAME{key:VALUE,...}`` a span, with flat values: strings
+between ``<escape>``s, which stream the same way, and others read at their end.
 """
 
 from __future__ import annotations
@@ -102,3 +106,99 @@ class GemmaCallScanner(CallScanner):
             self._depth -= 1
             self.ended = self._depth == 0
         self._key_may_follow = ch in "{,"
+
+
+# FunctionGemma (mlx-lm's ``function_gemma`` parser): ``call:NAME{key:VALUE,...}`` in a
+# span of its own, strings between ``<escape>``s.
+FUNCTION_GEMMA_HEAD = re.compile(r"call:(\w+)\{")
+_ESCAPE = "<escape>"
+
+
+class FunctionGemmaCallScanner(CallScanner):
+    """A FunctionGemma call, read as its parser reads it: a key runs to its ":", a string
+    value between ``<escape>``s is followed by one separator character, any other value
+    runs to the next "," and reads as JSON if it is JSON, else as its text; the object
+    ends at "}". (The parser ends it at the first "}" even inside a string, and then
+    fails on the unclosed string; here such a string is kept whole.)"""
+
+    __slots__ = ("_at", "_state", "_keys")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._at = 0
+        self._state = "key"  # key | value | string | after_string
+        self._keys = 0
+
+    def _find_head(self) -> re.Match[str] | None:
+        return FUNCTION_GEMMA_HEAD.search(self.text)
+
+    def _opened(self, head: re.Match[str]) -> str | None:
+        self.name = head.group(1)
+        self._at = head.end()
+        return "{"
+
+    def _scan(self) -> str:
+        out: list[str] = []
+        read = {"key": self._read_key, "value": self._read_value,
+                "string": self._read_string, "after_string": self._read_separator}
+        while not self.ended and read[self._state](out):
+            pass
+        return "".join(out)
+
+    def _read_key(self, out: list[str]) -> bool:
+        text = self.text
+        colon, brace = text.find(":", self._at), text.find("}", self._at)
+        if brace >= 0 and (colon < 0 or brace < colon):
+            return self._close(out, brace)
+        if colon < 0:
+            return False
+        key = json.dumps(text[self._at:colon], ensure_ascii=False)
+        out.append((", " if self._keys else "") + key + ": ")
+        self._keys += 1
+        self._at, self._state = colon + 1, "value"
+        return True
+
+    def _read_value(self, out: list[str]) -> bool:
+        text, at = self.text, self._at
+        if text.startswith(_ESCAPE, at):
+            out.append('"')
+            self._at, self._state = at + len(_ESCAPE), "string"
+            return True
+        ends = [end for end in (text.find(",", at), text.find("}", at)) if end >= 0]
+        if not ends:
+            return False
+        end = min(ends)
+        try:
+            value = json.loads(text[at:end])
+        except ValueError:
+            value = text[at:end]
+        out.append(json.dumps(value, ensure_ascii=False))
+        self._at, self._state = end + (text[end] == ","), "key"
+        return True
+
+    def _read_string(self, out: list[str]) -> bool:
+        text, at = self.text, self._at
+        end = text.find(_ESCAPE, at)
+        if end >= 0:
+            out.append(json_chars(text[at:end]) + '"')
+            self._at, self._state = end + len(_ESCAPE), "after_string"
+            return True
+        rest = text[at:]
+        safe = rest[:len(rest) - held_back(rest, (_ESCAPE,), len(_ESCAPE))]
+        out.append(json_chars(safe))
+        self._at += len(safe)
+        return False
+
+    def _read_separator(self, out: list[str]) -> bool:
+        """The parser passes over the one character after a string, whatever it is."""
+        if self._at == len(self.text):
+            return False
+        if self.text[self._at] == "}":
+            return self._close(out, self._at)
+        self._at, self._state = self._at + 1, "key"
+        return True
+
+    def _close(self, out: list[str], brace: int) -> bool:
+        out.append("}")
+        self._at, self.ended = brace + 1, True
+        return False
