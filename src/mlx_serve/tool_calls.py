@@ -84,6 +84,10 @@ def parse_tool_calls(parser: Any, tools: list[dict] | None, text: str) -> list[d
         return []
     calls = []
     for call in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            # JSON that is no call (a number, say): json_tools returns whatever it reads
+            log.warning("left out a tool call without a name: %.200r", text)
+            continue
         arguments = call.get("arguments", {})
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False, default=plain_json)
