@@ -94,6 +94,26 @@ def test_malformed_json_is_400(http, raw):
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("raw", [
+    b'{"messages": [], "temperature": NaN}', b'{"x": Infinity}', b'{"x": -Infinity}',
+    b'{"x": 1e999}', b'{"metadata": {"a": NaN}}'])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_numbers_json_cannot_hold_are_400(http, raw, path):
+    """Python's json reads them; a Response echoing one in its metadata could not be sent."""
+    error = error_of(http.post(path, content=raw, headers={"content-type": "application/json"}),
+                     400)
+    assert "JSON" in error["message"] or "range" in error["message"]
+
+
+@pytest.mark.parametrize("metadata, param", [
+    ("x", "metadata"), ({"k": 1}, "metadata.k"), ({"k": "v" * 513}, "metadata.k"),
+    ({str(i): "v" for i in range(17)}, "metadata")])
+def test_response_metadata_is_openais_pairs_of_strings(http, metadata, param):
+    body = {"input": "hi", "max_output_tokens": 1, "metadata": metadata}
+    error = error_of(http.post("/v1/responses", json=body), 400)
+    assert param_matches(error, param), error
+
+
 @pytest.mark.parametrize("raw", [b"[1, 2]", b'"text"', b"null", b"42"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_body_that_is_not_an_object_is_400(http, raw, path):

@@ -35,7 +35,9 @@ def chat_text(client, messages, max_tokens: int) -> tuple[str, str, int]:
 @pytest.mark.parametrize("max_tokens", [4, 40])  # the tiny model runs on to the limit
 def test_a_response_is_what_the_chat_request_generates(client, max_tokens):
     response = client.responses.create(model=MODEL, input=QUESTION, temperature=0,
-                                       instructions="Be brief.", max_output_tokens=max_tokens)
+                                       instructions="Be brief.", max_output_tokens=max_tokens,
+                                       metadata={"ticket": "42"})
+    assert response.metadata == {"ticket": "42"}
     text, finish, prompt_tokens = chat_text(client, [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
         max_tokens)

@@ -4,6 +4,7 @@ validated into a model, the model name it asks for, and an engine that takes wor
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -37,11 +38,24 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
     try:
-        return json.loads(body)
+        return json.loads(body, parse_constant=_not_json, parse_float=_finite)
     except ValueError as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
     except RecursionError:
         raise RequestError("the JSON body is nested too deeply") from None
+
+
+def _not_json(name: str) -> Any:
+    """NaN and Infinity, which Python's json reads: no JSON holds them, and a reply that
+    echoes one (a Response's ``metadata``) could not be written."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
 
 
 def parse(model: type[M], body: Any) -> M:

@@ -270,7 +270,7 @@ RESPONSES_UNSUPPORTED = frozenset({
 })
 # Responses API fields accepted that change nothing about the generated text.
 RESPONSES_NO_EFFECT = frozenset({
-    "metadata", "service_tier", "safety_identifier",
+    "service_tier", "safety_identifier",
     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "stream_options",
 })
 
@@ -316,6 +316,10 @@ class ResponsesRequest(BaseModel):
     store: bool = True  # as at OpenAI: kept for previous_response_id unless told not to
     include: list[str] | None = None  # only "message.output_text.logprobs" is served
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # As OpenAI's: up to 16 pairs of strings, kept with the response and returned in it.
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
+                             Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
 
 
 class TokenizeRequest(BaseModel):

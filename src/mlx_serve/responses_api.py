@@ -186,7 +186,7 @@ class ResponseBuilder:
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text and body.text.format else {"type": "text"}},
             "tool_choice": "auto", "tools": [], "truncation": "disabled", "user": body.user,
-            "metadata": (body.model_extra or {}).get("metadata") or {},
+            "metadata": body.metadata or {},
             "usage": _usage(choice, prompt_tokens) if choice is not None else None,
         }
 
