@@ -114,6 +114,24 @@ def test_response_metadata_is_openais_pairs_of_strings(http, metadata, param):
     assert param_matches(error, param), error
 
 
+@pytest.mark.parametrize("path, body, param, says", [
+    ("/v1/completions", {"prompt": 5}, "prompt", "valid string"),
+    ("/v1/completions", {"prompt": [1, "x"]}, "prompt.1", "valid integer"),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
+     "input.0.output", "valid string"),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c"}]},
+     "input.0.output", "Field required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0.text", "Field required"),
+])
+def test_a_value_that_fits_no_member_of_a_union_is_named_as_written(http, path, body, param,
+                                                                    says):
+    """Not pydantic's first member's error (``prompt.str``, or the message item's ``type``
+    for a function call's output): the place in the body, in the member the client meant."""
+    error = error_of(http.post(path, json=body), 400)
+    assert error["param"] == param and says in error["message"], error
+
+
 @pytest.mark.parametrize("raw", [b"[1, 2]", b'"text"', b"null", b"42"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_body_that_is_not_an_object_is_400(http, raw, path):

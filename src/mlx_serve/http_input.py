@@ -64,9 +64,45 @@ def parse(model: type[M], body: Any) -> M:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise RequestError(f"invalid value for '{param}': {first['msg']}", param=param) from None
+        path, message = _telling_error(body, exc.errors())
+        param = ".".join(str(p) for p in path) or None
+        raise RequestError(f"invalid value for '{param}': {message}", param=param) from None
+
+
+def _telling_error(body: Any, errors: list[Any]) -> tuple[tuple[int | str, ...], str]:
+    """Of a body's errors, the one to report, with its place in the body.
+
+    A value that fits none of a union's members has an error from each. The members whose
+    ``type`` is another than the value's are not what the client meant; of the others,
+    the error that went deepest into the body says most."""
+    located = [(*_body_path(body, error["loc"], error["type"] == "missing"), error)
+               for error in errors]
+    wrong = {member for _, member, error in located
+             if member and error["type"] == "literal_error" and error["loc"][-1] == "type"}
+    meant = [entry for entry in located if entry[1] not in wrong] or located
+    path, _, error = max(meant, key=lambda entry: len(entry[0]))
+    return path, error["msg"]
+
+
+def _body_path(body: Any, loc: tuple[int | str, ...], missing: bool
+               ) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
+    """An error's location as the body's own keys and indexes, and the location of the
+    union member it belongs to (empty if none). Pydantic names a union's member in the
+    location (``input.str``, ``prompt.list[int]``), which the client never wrote; a
+    missing field's name, the last part, is kept."""
+    path: list[int | str] = []
+    member: tuple[int | str, ...] = ()
+    node = body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (missing and i == len(loc) - 1):
+            member = loc[:i + 1]
+            continue
+        path.append(part)
+    return tuple(path), member
 
 
 def ready_engine(state: ServerState) -> Engine | RemoteEngine:
