@@ -105,6 +105,25 @@ def test_numbers_json_cannot_hold_are_400(http, raw, path):
     assert "JSON" in error["message"] or "range" in error["message"]
 
 
+@pytest.mark.parametrize("path, raw", [
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "a\ud800"}]}'),
+    ("/v1/completions", rb'{"prompt": "\udfff", "max_tokens": 1}'),
+    ("/tokenize", rb'{"prompt": "x\udc00y"}'),
+    ("/v1/responses", rb'{"input": "hi", "metadata": {"\ud83d": "v"}}')])
+def test_a_lone_surrogate_is_400(http, path, raw):
+    """JSON lets a string escape half of a UTF-16 pair; no text holds it (the tokenizer
+    raised, a 500)."""
+    error = error_of(http.post(path, content=raw, headers={"content-type": "application/json"}),
+                     400)
+    assert "surrogate" in error["message"]
+
+
+def test_an_escaped_pair_is_one_character(http):
+    raw = rb'{"prompt": "\ud83d\ude00", "return_token_strs": true}'  # what ensure_ascii writes
+    response = http.post("/tokenize", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200 and "".join(response.json()["token_strs"]) != ""
+
+
 @pytest.mark.parametrize("metadata, param", [
     ("x", "metadata"), ({"k": 1}, "metadata.k"), ({"k": "v" * 513}, "metadata.k"),
     ({str(i): "v" for i in range(17)}, "metadata")])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -38,11 +39,37 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
     try:
-        return json.loads(body, parse_constant=_not_json, parse_float=_finite)
+        value = json.loads(body, parse_constant=_not_json, parse_float=_finite)
     except ValueError as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
     except RecursionError:
         raise RequestError("the JSON body is nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(body):  # else no string can hold a lone surrogate
+        _check_text(value)
+    return value
+
+
+# A UTF-16 surrogate written as an escape: a pair is one character, one alone is none.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_text(value: Any) -> None:
+    """Refuse a string holding a lone surrogate, which no text encoding can write (the
+    tokenizer raised on one, a 500)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise RequestError(f"the JSON body holds a lone surrogate "
+                                   f"(\\u{ord(node[exc.start]):04x}), which is no text") from None
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _not_json(name: str) -> Any:
