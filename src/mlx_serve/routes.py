@@ -9,13 +9,14 @@ import uuid
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from mlx_serve import __version__
 from mlx_serve.engine import ALIVE_STATES, Engine, EngineState
 from mlx_serve.errors import AuthenticationError
 from mlx_serve.http_input import check_model, parse, read_json, ready_engine, server_state
+from mlx_serve.json_response import JSONResponse
 from mlx_serve.metrics import RequestTracker
 from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from mlx_serve.remote_engine import RemoteEngine

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from mlx_serve.errors import RequestError, UnsupportedParameterError
 from mlx_serve.http_input import check_model, parse, read_json, ready_engine, server_state
+from mlx_serve.json_response import JSONResponse
 from mlx_serve.prompts import render_chat
 from mlx_serve.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from mlx_serve.request_building import off_loop_if_long
