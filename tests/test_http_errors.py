@@ -124,6 +124,12 @@ def test_an_escaped_pair_is_one_character(http):
     assert response.status_code == 200 and "".join(response.json()["token_strs"]) != ""
 
 
+def test_a_response_json_schema_format_needs_its_name_and_schema(http):
+    body = {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}
+    error = error_of(http.post("/v1/responses", json=body), 400)
+    assert error["param"] == "text.format" and "'name'" in error["message"]
+
+
 @pytest.mark.parametrize("metadata, param", [
     ("x", "metadata"), ({"k": 1}, "metadata.k"), ({"k": "v" * 513}, "metadata.k"),
     ({str(i): "v" for i in range(17)}, "metadata")])

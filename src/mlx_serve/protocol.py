@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # OpenAI fields that would change the output and that this server cannot honour yet.
 # Sending them (with a non-default value) is a 400, never silently ignored.
@@ -256,6 +256,13 @@ class TextFormat(BaseModel):
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
     description: str | None = None
+
+    @model_validator(mode="after")
+    def _schema_named(self) -> TextFormat:
+        """As OpenAI's Responses: a ``json_schema`` format names its schema and gives it."""
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a 'json_schema' format needs its 'name' and its 'schema'")
+        return self
 
 
 class TextConfig(BaseModel):
