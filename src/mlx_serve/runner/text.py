@@ -91,8 +91,10 @@ class TextPipeline:
         for name, piece in segments:
             if name == "reasoning":
                 reasoning.append(piece)
-            elif name == "tool":
-                self._tool_text += piece
+            elif name == "tool":  # grown in place, not copied whole (call_scanner.grown)
+                tool_text, self._tool_text = self._tool_text, ""
+                tool_text += piece
+                self._tool_text = tool_text
             else:
                 if self._prev == "tool":
                     calls.append(self._tool_text)
