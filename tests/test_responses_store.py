@@ -254,3 +254,18 @@ def test_the_item_index_follows_every_put_delete_and_eviction():
                 assert store._holders[item_id] and set(store._holders[item_id]) == set(holding)
             else:
                 assert item_id not in store._holders
+
+
+@pytest.mark.parametrize(("query", "param"), [
+    ({"stream": "true"}, "stream"), ({"starting_after": "3"}, "starting_after"),
+    ({"include[]": "reasoning.encrypted_content"}, "include"),
+])
+def test_retrieval_refuses_what_would_change_the_stored_response(server, client, query, param):
+    """A stored response comes back whole, as made: no replayed events, nothing added."""
+    made = create(client, input=FIRST)
+    reply = httpx.get(f"{server.base_url}/v1/responses/{made.id}", params=query, timeout=10)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    same = client.responses.retrieve(made.id, include=["message.output_text.logprobs"],
+                                     extra_query={"stream": "false"})
+    assert same.model_dump() == made.model_dump()

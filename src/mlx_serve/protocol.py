@@ -270,6 +270,9 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+# The one Responses ``include`` that is served: the output text's logprobs.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
 # Responses API fields that would change the output and that are not served here.
 RESPONSES_UNSUPPORTED = frozenset({
     "conversation", "background", "prompt", "max_tool_calls",

@@ -21,6 +21,7 @@ from typing import Any
 from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
 from mlx_serve.generation import TokenLogprob
 from mlx_serve.protocol import (
+    OUTPUT_LOGPROBS,
     RESPONSES_NO_EFFECT,
     RESPONSES_UNSUPPORTED,
     ChatCompletionRequest,
@@ -43,7 +44,6 @@ from mlx_serve.request_building import check_extra_fields
 
 # The one ``include`` served: each output text's token log-probabilities (with
 # ``top_logprobs`` alternatives), as chat's logprobs give them.
-OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 
 def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
-from mlx_serve.protocol import ItemReference, ResponsesRequest
+from mlx_serve.protocol import OUTPUT_LOGPROBS, ItemReference, ResponsesRequest
 from mlx_serve.request_building import off_loop_if_long
 
 
@@ -104,6 +104,23 @@ class ResponseStore:
             holders.remove(response_id)
             if not holders:
                 del self._holders[item_id]
+
+
+def check_retrieval(query: Any) -> None:
+    """OpenAI's ``GET /v1/responses/{id}`` may replay a response's events (``stream``,
+    from ``starting_after``) and add to it (``include``): here a stored response is
+    returned whole, as it was made, so those that would change that are a 400."""
+    if query.get("stream", "false").lower() not in ("false", "0", ""):
+        raise UnsupportedParameterError("a stored response is returned whole; its events "
+                                        "are not replayed ('stream')", param="stream")
+    if "starting_after" in query:
+        raise UnsupportedParameterError("'starting_after' goes with 'stream', which is not "
+                                        "supported here", param="starting_after")
+    extra = set(query.getlist("include") + query.getlist("include[]")) - {OUTPUT_LOGPROBS}
+    if extra:
+        raise UnsupportedParameterError(
+            f"'include' of {sorted(extra)} is not supported (a stored response holds the "
+            f"logprobs its request asked for)", param="include")
 
 
 def input_items_page(entry: StoredResponse, query: Mapping[str, str]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from mlx_serve.responses_api import ResponseBuilder, as_chat_request, whole_resp
 from mlx_serve.responses_store import (
     ResponseStore,
     StoredResponse,
+    check_retrieval,
     continued,
     input_items_page,
 )
@@ -211,6 +212,7 @@ def _stored(request: Request) -> tuple[ResponseStore, str, StoredResponse]:
 async def retrieve_response(request: Request) -> Response:
     """OpenAI's ``GET /v1/responses/{id}``: a stored response."""
     kept = _stored(request)[2]
+    check_retrieval(request.query_params)
     return Response(kept.response_json, media_type="application/json")  # stored as JSON
 
 
