@@ -9,7 +9,7 @@ import random
 
 from mlx_lm.tool_parsers import muse_spark
 
-from tests.test_tool_call_spans import ARGUMENTS, as_list, check_updates, per_piece, streamed
+from tests.test_tool_call_spans import ARGUMENTS, check_updates, fuzzed, per_piece, streamed
 
 TEXT_PIECES = ["a", "b ", " ", "\n", "<", ">", "</atem:invoke>", "</atem:param", '"', "\\",
                "é", "{", "true", "tru", "null", "NaN", "Infinity", "1", "-", "x"]
@@ -40,13 +40,7 @@ def atem_span(rng: random.Random) -> str:
 
 
 def test_muse_spark_calls_stream_as_the_parsers_json_whatever_the_cuts():
-    rng = random.Random(14)
-    for _ in range(400):
-        text = atem_span(rng)
-        expected = as_list(muse_spark.parse_tool_call(text))
-        calls, updates = streamed(muse_spark.parse_tool_call, text, rng)
-        assert [c["function"]["name"] for c in calls] == [e["name"] for e in expected], text
-        check_updates(calls, updates)
+    for text, expected, calls in fuzzed(muse_spark, atem_span, seed=14):
         assert [c["function"]["arguments"] for c in calls] == [
             json.dumps(e["arguments"], ensure_ascii=False) for e in expected], text
 

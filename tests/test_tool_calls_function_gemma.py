@@ -9,7 +9,7 @@ import random
 
 from mlx_lm.tool_parsers import function_gemma
 
-from tests.test_tool_call_spans import check_updates, per_piece, streamed
+from tests.test_tool_call_spans import fuzzed, per_piece
 
 STRING_PIECES = ["a", " ", "\n", "<", "<esc", "escape>", ",", ":", '"', "\\", "é", "{",
                  "]", "x:"]
@@ -30,15 +30,9 @@ def function_gemma_span(rng: random.Random) -> str:
 
 
 def test_function_gemma_calls_stream_as_the_parsers_json_whatever_the_cuts():
-    rng = random.Random(15)
-    for _ in range(400):
-        text = function_gemma_span(rng)
-        expected = function_gemma.parse_tool_call(text)
-        calls, updates = streamed(function_gemma.parse_tool_call, text, rng)
-        assert [c["function"]["name"] for c in calls] == [expected["name"]], text
-        check_updates(calls, updates)
+    for text, expected, calls in fuzzed(function_gemma, function_gemma_span, seed=15):
         assert calls[0]["function"]["arguments"] == json.dumps(
-            expected["arguments"], ensure_ascii=False), text
+            expected[0]["arguments"], ensure_ascii=False), text
 
 
 def test_a_function_gemma_string_streams_as_it_is_written():

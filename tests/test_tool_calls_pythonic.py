@@ -10,7 +10,7 @@ import unicodedata
 from mlx_lm.tool_parsers import pythonic
 
 from mlx_serve.tool_calls import ToolCallStream, parse_tool_calls
-from tests.test_tool_call_spans import as_list, check_updates, per_piece, streamed
+from tests.test_tool_call_spans import check_updates, fuzzed, per_piece, streamed
 
 STRING_PIECES = ["a", " ", "é", "\n", "\t", '"', "'", "\\", ",", ")", "(", "]", "[", "=",
                  "x=", "😀", "\x00", "}", "{"]
@@ -74,13 +74,7 @@ def pythonic_span(rng: random.Random) -> str:
 
 
 def test_pythonic_calls_stream_as_the_parsers_json_whatever_the_cuts():
-    rng = random.Random(12)
-    for _ in range(400):
-        text = pythonic_span(rng)
-        expected = as_list(pythonic.parse_tool_call(text))
-        calls, updates = streamed(pythonic.parse_tool_call, text, rng)
-        assert [c["function"]["name"] for c in calls] == [e["name"] for e in expected], text
-        check_updates(calls, updates)
+    for text, expected, calls in fuzzed(pythonic, pythonic_span, seed=12):
         assert [c["function"]["arguments"] for c in calls] == [
             json.dumps(e["arguments"], ensure_ascii=False) for e in expected], text
 
