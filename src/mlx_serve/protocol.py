@@ -270,7 +270,8 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-# The one Responses ``include`` that is served: the output text's logprobs.
+# The one Responses ``include`` served: each output text's token log-probabilities (with
+# ``top_logprobs`` alternatives), as chat's logprobs give them.
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 # Responses API fields that would change the output and that are not served here.

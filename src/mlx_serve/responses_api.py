@@ -42,9 +42,6 @@ from mlx_serve.protocol import (
 from mlx_serve.replies import Choice, chat_logprob
 from mlx_serve.request_building import check_extra_fields
 
-# The one ``include`` served: each output text's token log-probabilities (with
-# ``top_logprobs`` alternatives), as chat's logprobs give them.
-
 
 def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates this response; a 400 for what is not served."""

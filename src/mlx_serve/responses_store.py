@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.datastructures import QueryParams
+
 from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
 from mlx_serve.protocol import OUTPUT_LOGPROBS, ItemReference, ResponsesRequest
 from mlx_serve.request_building import off_loop_if_long
@@ -106,7 +108,7 @@ class ResponseStore:
                 del self._holders[item_id]
 
 
-def check_retrieval(query: Any) -> None:
+def check_retrieval(query: QueryParams) -> None:
     """OpenAI's ``GET /v1/responses/{id}`` may replay a response's events (``stream``,
     from ``starting_after``) and add to it (``include``): here a stored response is
     returned whole, as it was made, so those that would change that are a 400."""
