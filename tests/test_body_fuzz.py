@@ -118,3 +118,38 @@ def test_no_body_makes_a_5xx_and_every_answer_is_openais(agentic_server):
                 read_as_the_sdk(path, response)
         health = client.get("/health").json()
     assert health["state"] == "ready" and health["running"] == 0
+
+
+TOKENIZER_BODIES = {
+    "/tokenize": [{"prompt": "hello", "add_special_tokens": True, "return_token_strs": True},
+                  {"messages": [{"role": "user", "content": "hi"}],
+                   "add_generation_prompt": True, "chat_template_kwargs": {}}],
+    "/detokenize": [{"tokens": [1, 2, 3]}],
+}
+QUERY_VALUES = ["", "-1", "0", "1", "101", "asc", "desc", "true", "zzz", "resp-x"]
+
+
+def test_tokenizer_and_stored_response_endpoints_never_make_a_5xx(agentic_server):
+    """The same for the tokenizer endpoints' bodies and for stored responses looked up
+    with odd ids and query strings."""
+    rng = random.Random(8)
+    with httpx.Client(base_url=agentic_server.base_url, timeout=60) as client:
+        made = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        ids = [made.json()["id"], "resp-unknown", "a" * 300, "é"]
+        for _ in range(200):
+            if rng.random() < 0.5:
+                path = rng.choice(sorted(TOKENIZER_BODIES))
+                body = mutated(rng, rng.choice(TOKENIZER_BODIES[path]))
+                body.pop("stream", None)
+                response = client.post(path, content=json.dumps(body),
+                                       headers={"content-type": "application/json"})
+            else:
+                query = {rng.choice(["limit", "order", "after", "before", "include",
+                                     "stream", "starting_after"]): rng.choice(QUERY_VALUES)
+                         for _ in range(rng.randrange(3))}
+                suffix = rng.choice(["", "/input_items"])
+                response = client.get(f"/v1/responses/{rng.choice(ids)}{suffix}",
+                                      params=query)
+            assert response.status_code < 500, response.text
+            if response.status_code >= 400:
+                assert response.json()["error"]["message"]
