@@ -2,10 +2,11 @@
 
 One invocation builds or locates the model, starts both servers on 127.0.0.1 (free
 ports, same model, same batch settings), waits for readiness (bounded), then for each
-round and each concurrency runs engine, mlx_serve, mlx_lm (in that order) on the same
-fresh prompts, and prints per-concurrency ratios (median [min-max] over rounds). Raw
-results go to benchmarks/results/. Every started process is stopped on the way out,
-Ctrl-C and SIGTERM included; every run is bounded in requests and time.
+round and each concurrency runs engine, mlx_serve, mlx_lm (in an order rotated every
+round: ``contenders.rotated``) on the same fresh prompts, and prints per-concurrency
+ratios (median [min-max] over rounds). Raw results go to benchmarks/results/. Every
+started process is stopped on the way out, Ctrl-C and SIGTERM included; every run is
+bounded in requests and time.
 
     python -m benchmarks.ab --model tiny --concurrency 1,4,16,64 --rounds 3
     python -m benchmarks.ab --quick                  # smoke run, under two minutes
