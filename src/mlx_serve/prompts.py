@@ -9,7 +9,6 @@ from typing import Any
 from mlx_serve.errors import RequestError, UnsupportedParameterError
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.protocol import CHAT_TEMPLATE_KWARGS, ChatCompletionRequest, ChatMessage
-from mlx_serve.tool_calls import is_json_tool_parser
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,9 @@ def offered_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict] | N
 def forced_call_schema(body: ChatCompletionRequest, tokenizer: Any) -> dict | None:
     """For tool_choice "required" or a named function: the schema of the one call.
 
-    A forced call is written in the JSON tool-call format ({"name", "arguments"} between
-    the model's markers); other formats would need a grammar of their own.
+    A forced call is written as JSON, ``{"name", "arguments"}``, between the model's
+    tool-call markers, whatever the model's own format (as vLLM forces a call with a
+    JSON grammar), and read as JSON.
     """
     choice = body.tool_choice
     if choice in (None, "auto", "none") or not body.tools:
@@ -72,10 +72,9 @@ def forced_call_schema(body: ChatCompletionRequest, tokenizer: Any) -> dict | No
             raise RequestError("'tool_choice' forces a call but no 'tools' were given",
                                param="tool_choice")
         return None
-    parser = getattr(tokenizer, "tool_parser", None)
-    if not is_json_tool_parser(parser):
+    if not getattr(tokenizer, "tool_call_start", None):
         raise UnsupportedParameterError(
-            "forcing a tool call is supported for models with JSON tool calls only",
+            "forcing a tool call needs a model with tool-call markers in its chat template",
             param="tool_choice")
     tools = [t.function for t in body.tools]
     if not isinstance(choice, str):

@@ -42,6 +42,7 @@ class Prepared:
     reasoning_format: str = "reasoning"
     echo: dict[int, str] = dataclasses.field(default_factory=dict)  # choice -> its prompt
     prompt_logprobs: int | None = None  # vLLM's: the prompt's scores in the reply
+    forced_call: bool = False  # the reply is one forced call, written as JSON
 
 
 def _unsupported(param: str, why: str = "is not supported by this server") -> None:
@@ -194,7 +195,8 @@ async def build_chat_request(
     reqs = choices(request_id, rendered.tokens, params, body.n, 0, body.user, output)
     reasoning_format = body.reasoning_format or settings.reasoning_format
     return Prepared(tuple(reqs), len(rendered.tokens), logprobs, rendered.tools,
-                    reasoning_format, prompt_logprobs=body.prompt_logprobs)
+                    reasoning_format, prompt_logprobs=body.prompt_logprobs,
+                    forced_call=rendered.forced_call is not None)
 
 
 # Text up to this many characters is rendered and tokenized on the event loop: that

@@ -111,9 +111,13 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
 def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model: str, *,
                  chat: bool, **options: Any) -> ReplyShape:
     """What the reply needs from the prepared request (tool calls parsed with the model
-    family's parser when tools were offered)."""
-    parser = getattr(state.engine.runner.tokenizer, "tool_parser", None) \
-        if prepared.tools else None
+    family's parser when tools were offered; a forced call, written as JSON, as JSON)."""
+    runner = state.engine.runner
+    parser = None
+    if prepared.forced_call:
+        parser = runner.json_tool_parser()
+    elif prepared.tools:
+        parser = getattr(runner.tokenizer, "tool_parser", None)
     return ReplyShape(chat=chat, model=model, prompt_tokens=prepared.prompt_tokens,
                       logprobs=prepared.logprobs, reasoning_format=prepared.reasoning_format,
                       tool_parser=parser, tools=prepared.tools,

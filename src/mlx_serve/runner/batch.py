@@ -36,6 +36,7 @@ from mlx_serve.runner.prompt_scoring import Scored, score_requests
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
 from mlx_serve.runner.special_tokens import SpecialTokens
 from mlx_serve.runner.text import TextPipeline
+from mlx_serve.runner.tokenizer_side import json_tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ DEFAULT_CONTEXT_LENGTH = 4096
 
 
 class Runner:
+    json_tool_parser = staticmethod(json_tool_parser)
+
     def __init__(
         self,
         model: Any,

@@ -15,7 +15,17 @@ from mlx_serve.engine_wire import EngineInfo, FormatSpec
 from mlx_serve.prompt_encoder import PromptEncoder
 
 
+def json_tool_parser() -> Callable[..., Any]:
+    """mlx-lm's parser of JSON tool calls, ``{"name": ..., "arguments": {...}}``: how a
+    forced call is written whatever the model's own format (as vLLM forces calls)."""
+    from mlx_lm.tool_parsers import json_tools
+
+    return json_tools.parse_tool_call
+
+
 class TokenizerSide:
+    json_tool_parser = staticmethod(json_tool_parser)
+
     def __init__(self, tokenizer: Any, info: EngineInfo,
                  memory: Callable[[], dict[str, int]]) -> None:
         self.tokenizer = tokenizer
