@@ -142,6 +142,8 @@ def test_response_metadata_is_openais_pairs_of_strings(http, metadata, param):
 @pytest.mark.parametrize("path, body, param, says", [
     ("/v1/completions", {"prompt": 5}, "prompt", "valid string"),
     ("/v1/completions", {"prompt": [1, "x"]}, "prompt.1", "valid integer"),
+    ("/v1/completions", {"prompt": []}, "prompt", "at least 1 item"),
+    ("/v1/responses", {"input": [{"role": 5, "content": "hi"}]}, "input.0.role", "'user'"),
     ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
      "input.0.output", "valid string"),
     ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c"}]},

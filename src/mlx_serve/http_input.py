@@ -100,14 +100,17 @@ def _telling_error(body: Any, errors: list[Any]) -> tuple[tuple[int | str, ...],
     """Of a body's errors, the one to report, with its place in the body.
 
     A value that fits none of a union's members has an error from each. The members whose
-    ``type`` is another than the value's are not what the client meant; of the others,
-    the error that went deepest into the body says most."""
+    ``type`` is another than the value's (or that need one it lacks) are not what the
+    client meant; of the others,
+    the error that went deepest into the body says most, and at one depth an error about
+    the value (an empty list, say) more than one about its kind (not a string)."""
     located = [(*_body_path(body, error["loc"], error["type"] == "missing"), error)
                for error in errors]
-    wrong = {member for _, member, error in located
-             if member and error["type"] == "literal_error" and error["loc"][-1] == "type"}
+    wrong = {member for _, member, error in located if member and error["loc"][-1] == "type"
+             and error["type"] in ("literal_error", "missing")}
     meant = [entry for entry in located if entry[1] not in wrong] or located
-    path, _, error = max(meant, key=lambda entry: len(entry[0]))
+    path, _, error = max(meant, key=lambda entry: (len(entry[0]),
+                                                   not entry[2]["type"].endswith("_type")))
     return path, error["msg"]
 
 
