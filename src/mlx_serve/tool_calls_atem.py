@@ -30,6 +30,7 @@ _JSON_WORDS = ("true", "false", "null", "NaN", "Infinity")
 
 class AtemCallScanner(TaggedCallScanner):
     CLOSE = "</atem:parameter>"
+    SPAN_CLOSES_CALL = True  # the parser reads a call without its end tag
     __slots__ = ("_end",)
 
     def __init__(self, parser: Any, tools: list[dict] | None = None) -> None:
@@ -46,13 +47,6 @@ class AtemCallScanner(TaggedCallScanner):
 
     def read_to(self) -> int:
         return self._end if self.ended else len(self.text)
-
-    def finish(self) -> str:
-        """The span ended without the call's end tag, which the parser allows."""
-        if self.name is None or self._param is not None or self.ended:
-            return ""  # cut off inside a value: not complete
-        self.ended = True
-        return "}"
 
     def _next_parameter(self) -> tuple[str, int] | None:
         tag = _PARAMETER.search(self.text, self._at)

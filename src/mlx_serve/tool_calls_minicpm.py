@@ -9,7 +9,6 @@ streams as it comes, a CDATA one without its wrapper.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -26,6 +25,7 @@ _CDATA_END = "]]>"
 
 class MiniCpmCallScanner(MiniMaxCallScanner):
     CLOSE = "</param>"
+    SPAN_CLOSES_CALL = True  # its marker, </function>, is taken off with the span
     __slots__ = ("_cdata",)
 
     def __init__(self, parser: Any, tools: list[dict] | None) -> None:
@@ -46,12 +46,6 @@ class MiniCpmCallScanner(MiniMaxCallScanner):
         """Whether ``</function>`` comes next (before the parameter at ``before``): only
         where the span holds it; the span's end closes the call otherwise."""
         return self.text.find(_CLOSE_FUNCTION, self._at, before) >= 0
-
-    def finish(self) -> str:
-        if self.name is None or self._param is not None or self.ended:
-            return ""  # cut off inside a value: not complete
-        self.ended = True
-        return "}"
 
     def _streamable(self, value: str) -> tuple[str, str]:
         if self._opened_string and not self._cdata:
@@ -77,12 +71,11 @@ class MiniCpmCallScanner(MiniMaxCallScanner):
             if end >= 0 and not rest[end + len(_CDATA_END):].strip():
                 rest = rest[:end]
             return json_chars(rest) + '"'
-        if self._opened_string:
-            return super()._closing(rest)
-        assert self._param is not None
-        value = self._rules._convert_param_value_with_types(self._rules._param_value(rest),
-                                                            self._types(self._param))
-        return json.dumps(value, ensure_ascii=False)
+        return super()._closing(rest)
+
+    def _raw_value(self, rest: str) -> str:
+        """A CDATA block's text as it is, else the stripped text (the parser's rule)."""
+        return self._rules._param_value(rest)
 
 
 def _cdata_held_from(inner: str, close: str) -> int:

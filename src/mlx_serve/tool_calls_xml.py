@@ -51,6 +51,7 @@ class TaggedCallScanner(CallScanner):
     text may go out yet, and what a closed value reads as."""
 
     CLOSE = ""
+    SPAN_CLOSES_CALL = False  # the call may have no end tag: its span's end closes it
     __slots__ = ("_rules", "_tools", "_at", "_param", "_value_at", "_close_from",
                  "_opened_string", "_params")
 
@@ -65,6 +66,15 @@ class TaggedCallScanner(CallScanner):
         self._close_from = 0  # where its closing tag is looked for
         self._opened_string = False  # its opening quote has gone out
         self._params = 0
+
+    def finish(self) -> str:
+        """Where the span's end closes the call, its object closes, unless the span was
+        cut off inside a value."""
+        if (not self.SPAN_CLOSES_CALL or self.name is None or self._param is not None
+                or self.ended):
+            return ""
+        self.ended = True
+        return "}"
 
     def _start(self, name: str, value_at: int) -> str:
         """A parameter's key is complete: its JSON key goes out."""
@@ -211,6 +221,7 @@ class GlmCallScanner(TaggedCallScanner):
     read by the parser's ``_deserialize``."""
 
     CLOSE = "</arg_value>"
+    SPAN_CLOSES_CALL = True
     KEY = "<arg_key>"
     PAIR = _ARG_KEY
     __slots__ = ("_strings",)
@@ -234,12 +245,6 @@ class GlmCallScanner(TaggedCallScanner):
     def _string_args(self, name: str) -> set[str]:
         """The function's parameters that the parser keeps as text."""
         return self._rules._get_string_arg_names(name, self._tools)
-
-    def finish(self) -> str:
-        if self.name is None or self._param is not None or self.ended:
-            return ""  # cut off inside a value: not complete
-        self.ended = True
-        return "}"
 
     def _scan(self) -> str:
         out = []
@@ -333,9 +338,13 @@ class MiniMaxCallScanner(TaggedCallScanner):
         assert self._param is not None
         if self._opened_string:
             return json_chars(rest.rstrip()) + '"'
-        value = self._rules._convert_param_value_with_types(rest.strip(),
+        value = self._rules._convert_param_value_with_types(self._raw_value(rest),
                                                             self._types(self._param))
         return json.dumps(value, ensure_ascii=False)
+
+    def _raw_value(self, rest: str) -> str:
+        """A closed value's text, before its type converts it: stripped."""
+        return rest.strip()
 
 
 def _not_null_yet(body: str) -> bool:
