@@ -61,3 +61,12 @@ def test_a_call_ends_at_its_end_tag_outside_a_value():
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         ("look", '{"q": "a</atem:invoke>b"}'), ("edit", "{}")]
     check_updates(calls, updates)
+
+
+def test_a_span_that_ends_without_the_calls_end_tag_closes_the_call():
+    """The parser reads a call up to its end tag or the span's end."""
+    text = '<atem:invoke name="look"><atem:parameter name="q">a</atem:parameter>'
+    calls, updates = streamed(muse_spark.parse_tool_call, text, random.Random(4))
+    assert [c["function"]["arguments"] for c in calls] == [
+        json.dumps(muse_spark.parse_tool_call(text)["arguments"])] == ['{"q": "a"}']
+    check_updates(calls, updates)
