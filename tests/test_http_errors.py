@@ -2,7 +2,7 @@
 
 ``{"error": {"message", "type", "param", "code"}}``, against a real ``python -m mlx_serve``
 process on the tiny model, served as ``foo`` (``--served-model-name``), with
-``--max-body-bytes 2048 --max-context 64``, and queue 1, batch 1
+``--max-body-bytes 2048 --max-context 64 --body-timeout 3``, and queue 1, batch 1
 so that two requests fill it once the overload test hangs its steps through the fail-point
 HTTP control). Every wait is bounded; nothing sleeps to synchronise.
 
@@ -13,6 +13,8 @@ traceback there shows up in its own test.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import socket
 import subprocess
 import time
@@ -30,6 +32,7 @@ MODEL = "foo"  # --served-model-name: the model folder is "tiny"
 HI = [{"role": "user", "content": "hi"}]  # 17 prompt tokens with the tiny ChatML template
 MAX_CONTEXT = 64
 MAX_BODY = 2048
+BODY_TIMEOUT = 3.0  # seconds; every other test's body arrives at once
 TIMEOUT = 30.0
 READY_TIMEOUT = 100.0  # a start takes ~3 s, far more on a loaded 2-core machine
 
@@ -42,6 +45,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     # let the overload test fill the server with two requests once it hangs the steps.
     proc = ServerProcess(tiny_model_dir, log, args=[
         "--max-body-bytes", str(MAX_BODY), "--max-context", str(MAX_CONTEXT),
+        "--body-timeout", str(BODY_TIMEOUT),
         "--served-model-name", MODEL,
         "--max-queue", "1", "--decode-batch-size", "1", "--failpoints-http",
         "--drain-timeout", "5"])
@@ -336,6 +340,43 @@ def test_limit_is_enforced_while_reading_not_after(server):
     reply = raw_exchange(server, head, parts)
     assert reply.startswith(b"HTTP/1.1 413"), reply
     assert time.monotonic() - started < 2.0
+
+
+def test_a_body_that_stops_arriving_is_408_and_the_connection_closes(server):
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + b'{"messages"')  # 11 of the 100 bytes, then nothing
+        reply = b""
+        while data := sock.recv(65536):  # the socket's timeout bounds each wait
+            reply += data  # until the server closes the connection
+    status, _, rest = reply.partition(b"\r\n")
+    assert status == b"HTTP/1.1 408 Request Timeout", reply
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert b"connection: close" in headers.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout"
+    assert f"within {BODY_TIMEOUT:g} s" in error["message"]
+
+
+def test_a_client_leaving_inside_its_body_counts_as_aborted(server, http):
+    def aborted() -> float:
+        metrics = http.get("/metrics").text
+        return float(re.search(r"^mlx_serve_request_aborted_total (\S+)$", metrics,
+                               re.MULTILINE).group(1))
+
+    before = aborted()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(head + b'{"messages"')
+    deadline = time.monotonic() + TIMEOUT
+    while aborted() == before:  # the server reads on, then sees the connection end
+        assert time.monotonic() < deadline, "the client's leaving was never counted"
+        time.sleep(0.02)
+    assert aborted() == before + 1
+    # No error counted or logged for it: the traceback check below reads the log.
+    assert 'request_errors_total{status="500"}' not in http.get("/metrics").text
 
 
 def test_body_just_under_the_limit_is_accepted(http):

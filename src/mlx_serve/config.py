@@ -62,6 +62,11 @@ class Settings(BaseSettings):
     )
     max_queue: int = Field(256, ge=1, description="requests waiting for a batch slot before 429")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body")
+    body_timeout: float = Field(
+        60.0, gt=0,
+        description="seconds a request body may take to arrive whole once its headers have "
+                    "(408 after): a client that stops sending holds nothing for longer",
+    )
     max_context: int | None = Field(None, ge=2, description="override the model's context length")
     default_max_tokens: int | None = Field(
         None, ge=1, description="max_tokens when a request names none (default: rest of context)"

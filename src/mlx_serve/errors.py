@@ -6,6 +6,7 @@
     │   └── ContextLengthExceededError  400 context_length_exceeded
     ├── AuthenticationError             401 invalid_api_key (+ WWW-Authenticate)
     ├── ModelNotFoundError              404 model_not_found
+    ├── RequestTimeoutError             408: the body did not arrive in time
     ├── PayloadTooLargeError            413
     ├── OverloadedError                 429 (+ Retry-After): the inbox is full
     ├── EngineUnavailableError          503 (+ Retry-After): loading, draining, wedged
@@ -25,6 +26,8 @@ class MLXServeError(Exception):
     error_type: str = "server_error"
     code: str | None = None
     retry_after: int | None = None
+    # Refused with the body unread: the connection cannot carry another request.
+    closes_connection: bool = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -70,10 +73,18 @@ class ModelNotFoundError(MLXServeError):
     code = "model_not_found"
 
 
+class RequestTimeoutError(MLXServeError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+    closes_connection = True
+
+
 class PayloadTooLargeError(MLXServeError):
     status_code = 413
     error_type = "invalid_request_error"
     code = "payload_too_large"
+    closes_connection = True
 
 
 class OverloadedError(MLXServeError):

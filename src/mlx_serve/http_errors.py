@@ -6,7 +6,7 @@ import logging
 from collections.abc import Mapping
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_serve.errors import MLXServeError
@@ -24,6 +24,8 @@ def error_response(request: Request, exc: MLXServeError,
         headers["WWW-Authenticate"] = "Bearer"
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
+    if exc.closes_connection:
+        headers["Connection"] = "close"
     return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=headers)
 
 
@@ -40,6 +42,17 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
     return error_response(request, error, exc.headers)  # e.g. Allow on a 405
 
 
+async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
+    """The client left while its body was being read: no fault of ours, and no one to
+    answer. Counted as aborted, as a stream the client leaves is."""
+    log.info("client left before its %s %s request arrived whole", request.method,
+             request.url.path)
+    server = getattr(request.app.state, "server", None)
+    if server is not None:
+        server.metrics.aborted.inc()
+    return Response(status_code=499)  # nginx's "client closed request"; never delivered
+
+
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error in %s %s", request.method, request.url.path)
     return error_response(request, MLXServeError(f"internal server error: {type(exc).__name__}"))
@@ -48,5 +61,6 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS = {
     MLXServeError: handle_mlx_serve_error,
     HTTPException: handle_http_exception,
+    ClientDisconnect: handle_client_disconnect,
     Exception: handle_unexpected,
 }

@@ -8,15 +8,18 @@ import math
 import re
 from typing import Any, TypeVar
 
+import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from mlx_serve.config import Settings
 from mlx_serve.engine import Engine, EngineState
 from mlx_serve.errors import (
     EngineUnavailableError,
     ModelNotFoundError,
     PayloadTooLargeError,
     RequestError,
+    RequestTimeoutError,
 )
 from mlx_serve.remote_engine import RemoteEngine
 from mlx_serve.server_state import ServerState
@@ -28,16 +31,23 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """Read the body, refusing it as soon as it passes ``limit`` bytes (413)."""
+async def read_json(request: Request, settings: Settings) -> Any:
+    """Read the body, refusing it as soon as it passes ``max_body_bytes`` (413) or when it
+    has not arrived whole within ``body_timeout`` (408: uvicorn bounds no body's arrival,
+    so a client that stops sending would hold its connection and buffer for ever)."""
+    limit = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+    with anyio.move_on_after(settings.body_timeout) as arrival:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+    if arrival.cancelled_caught:
+        raise RequestTimeoutError(
+            f"the request body did not arrive whole within {settings.body_timeout:g} s")
     try:
         value = json.loads(body, parse_constant=_not_json, parse_float=_finite)
     except ValueError as exc:

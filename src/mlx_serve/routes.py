@@ -70,7 +70,7 @@ async def _open(request: Request, model_type: type[Any]
     check its model, and make sure the engine takes work."""
     state = server_state(request)
     _authorize(request, state)
-    body = parse(model_type, await read_json(request, state.settings.max_body_bytes))
+    body = parse(model_type, await read_json(request, state.settings))
     return state, body, check_model(state, body.model), ready_engine(state)
 
 
