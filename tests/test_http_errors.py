@@ -2,9 +2,10 @@
 
 ``{"error": {"message", "type", "param", "code"}}``, against a real ``python -m mlx_serve``
 process on the tiny model, served as ``foo`` (``--served-model-name``), with
-``--max-body-bytes 2048 --max-context 64 --body-timeout 3``, and queue 1, batch 1
-so that two requests fill it once the overload test hangs its steps through the fail-point
-HTTP control). Every wait is bounded; nothing sleeps to synchronise.
+``--max-body-bytes 2048 --max-context 64 --body-timeout 3 --header-timeout 3``, and
+queue 1, batch 1 (so that two requests fill it once the overload test hangs its steps
+through the fail-point HTTP control). Every wait is bounded; nothing sleeps to
+synchronise.
 
 The deeply nested body test runs after the log check, so a regression that logs a
 traceback there shows up in its own test.
@@ -45,7 +46,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     # let the overload test fill the server with two requests once it hangs the steps.
     proc = ServerProcess(tiny_model_dir, log, args=[
         "--max-body-bytes", str(MAX_BODY), "--max-context", str(MAX_CONTEXT),
-        "--body-timeout", str(BODY_TIMEOUT),
+        "--body-timeout", str(BODY_TIMEOUT), "--header-timeout", str(BODY_TIMEOUT),
         "--served-model-name", MODEL,
         "--max-queue", "1", "--decode-batch-size", "1", "--failpoints-http",
         "--drain-timeout", "5"])
@@ -357,6 +358,13 @@ def test_a_body_that_stops_arriving_is_408_and_the_connection_closes(server):
     error = json.loads(body)["error"]
     assert error["code"] == "request_timeout"
     assert f"within {BODY_TIMEOUT:g} s" in error["message"]
+
+
+def test_a_connection_that_never_sends_a_whole_head_is_closed(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost:")
+        assert sock.recv(65536) == b""  # closed, no reply; the socket's timeout bounds it
+    assert "no complete request head within 3 s" in server.log_text()
 
 
 def test_a_client_leaving_inside_its_body_counts_as_aborted(server, http):

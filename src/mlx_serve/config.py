@@ -62,6 +62,12 @@ class Settings(BaseSettings):
     )
     max_queue: int = Field(256, ge=1, description="requests waiting for a batch slot before 429")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body")
+    header_timeout: float = Field(
+        60.0, gt=0,
+        description="seconds a connection may take to send a whole request head (from its "
+                    "start, or from a next request's first byte); then it is closed "
+                    "(mlx-serve only: uvicorn itself bounds no head's arrival)",
+    )
     body_timeout: float = Field(
         60.0, gt=0,
         description="seconds a request body may take to arrive whole once its headers have "

@@ -1,0 +1,153 @@
+"""The request-head deadline on uvicorn's two HTTP protocols (httptools and h11), served
+in-process by a real uvicorn on a loopback port, with a small ASGI app.
+
+Clients are plain sockets on worker threads; every read is bounded by the socket's
+timeout. That a deadline has passed is learned from a connection it closed, never from
+a sleep."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from mlx_serve.http_deadline import uvicorn_protocol, with_head_deadline
+
+HEAD_TIMEOUT = 0.5  # seconds
+WAIT = 20.0  # the bound on any one read
+REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+class App:
+    """Answers ``ok``; a request to ``/held`` waits for ``release`` first."""
+
+    def __init__(self) -> None:
+        self.release = anyio.Event()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/held":
+            await self.release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@asynccontextmanager
+async def serving(base: type, app: App) -> AsyncIterator[int]:
+    protocol = with_head_deadline(base, HEAD_TIMEOUT)
+    assert protocol is not None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol,
+                                           ws="none", lifespan="off", log_level="warning"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve)
+        with anyio.fail_after(WAIT):
+            while not server.started:
+                await anyio.sleep(0.01)
+        try:
+            yield port
+        finally:
+            server.should_exit = True
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by WAIT)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One ``ok`` response (bounded by WAIT)."""
+    data = b""
+    while not data.endswith(b"\r\n\r\nok"):
+        chunk = sock.recv(65536)
+        assert chunk, f"closed inside a response: {data!r}"
+        data += chunk
+    return data
+
+
+@pytest.fixture(params=[HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def base(request) -> type:
+    return request.param
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sent", [b"", b"GET / HTTP/1.1\r\nHost:"], ids=["nothing", "half"])
+async def test_a_connection_without_a_whole_head_is_closed(base, sent):
+    async with serving(base, App()) as port:
+        def client() -> bytes:
+            with connect(port) as sock:
+                sock.sendall(sent)
+                return read_until_closed(sock)
+
+        assert await anyio.to_thread.run_sync(client) == b""
+
+
+@pytest.mark.anyio
+async def test_a_kept_alive_connection_is_timed_again_from_its_next_head(base):
+    async with serving(base, App()) as port:
+        def client() -> bytes:
+            with connect(port) as sock:
+                sock.sendall(REQUEST)
+                assert read_response(sock).startswith(b"HTTP/1.1 200")
+                sock.sendall(b"GET / HT")  # a next head that never ends
+                return read_until_closed(sock)
+
+        assert await anyio.to_thread.run_sync(client) == b""
+
+
+@pytest.mark.anyio
+async def test_a_request_under_way_is_never_cut(base):
+    app = App()
+    sent = threading.Event()
+    async with serving(base, app) as port:
+        def held_request() -> bytes:
+            with connect(port) as sock:
+                sock.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
+                sent.set()
+                first = read_response(sock)
+                sock.sendall(REQUEST)  # and the connection still serves another
+                return first + read_response(sock)
+
+        def deadline_passed() -> None:
+            # Opened after the held request's connection: once this one is closed for
+            # its missing head, the held connection's deadline has passed too.
+            assert sent.wait(WAIT)
+            with connect(port) as sock:
+                assert read_until_closed(sock) == b""
+
+        async with anyio.create_task_group() as tg:
+            replies: list[bytes] = []
+
+            async def run_held() -> None:
+                replies.append(await anyio.to_thread.run_sync(held_request))
+
+            tg.start_soon(run_held)
+            await anyio.to_thread.run_sync(deadline_passed)
+            app.release.set()
+        assert replies[0].count(b"HTTP/1.1 200") == 2
+
+
+def test_uvicorn_protocol_is_httptools_when_it_is_installed():
+    assert uvicorn_protocol() is HttpToolsProtocol
+
+
+def test_a_protocol_without_the_needed_methods_is_left_as_it_is():
+    assert with_head_deadline(object, HEAD_TIMEOUT) is None  # type: ignore[arg-type]
