@@ -60,11 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mlx_serve.app import create_app
-    from mlx_serve.http_deadline import uvicorn_protocol, with_head_deadline
+    from mlx_serve.http_deadlines import uvicorn_protocol, with_deadlines
     from mlx_serve.serving import DrainingServer
 
     app = create_app(settings)
-    http = with_head_deadline(uvicorn_protocol(), settings.header_timeout)
+    http = with_deadlines(uvicorn_protocol(), settings.header_timeout, settings.send_timeout)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), backlog=2048,
                             access_log=settings.access_log, http=http or "auto",

@@ -68,6 +68,12 @@ class Settings(BaseSettings):
                     "start, or from a next request's first byte); then it is closed "
                     "(mlx-serve only: uvicorn itself bounds no head's arrival)",
     )
+    send_timeout: float = Field(
+        60.0, gt=0,
+        description="seconds a reply's writes may wait on a client that takes none of it "
+                    "(its socket buffers full); then the connection is aborted and a "
+                    "stream's request cancelled (mlx-serve only)",
+    )
     body_timeout: float = Field(
         60.0, gt=0,
         description="seconds a request body may take to arrive whole once its headers have "

@@ -1,5 +1,5 @@
-"""The request-head deadline on uvicorn's two HTTP protocols (httptools and h11), served
-in-process by a real uvicorn on a loopback port, with a small ASGI app.
+"""The request-head and send deadlines on uvicorn's two HTTP protocols (httptools and h11),
+served in-process by a real uvicorn on a loopback port, with a small ASGI app.
 
 Clients are plain sockets on worker threads; every read is bounded by the socket's
 timeout. That a deadline has passed is learned from a connection it closed, never from
@@ -13,26 +13,33 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import anyio.lowlevel
 import pytest
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from mlx_serve.http_deadline import uvicorn_protocol, with_head_deadline
+from mlx_serve.http_deadlines import uvicorn_protocol, with_deadlines
 
 HEAD_TIMEOUT = 0.5  # seconds
+SEND_TIMEOUT = 0.5
 WAIT = 20.0  # the bound on any one read
 REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 class App:
-    """Answers ``ok``; a request to ``/held`` waits for ``release`` first."""
+    """Answers ``ok``; a request to ``/held`` waits for ``release`` first; ``/endless``
+    streams until its client is gone, then sets ``gone``."""
 
     def __init__(self) -> None:
         self.release = anyio.Event()
+        self.gone = anyio.Event()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
+            return
+        if scope["path"] == "/endless":
+            await self.endless(receive, send)
             return
         if scope["path"] == "/held":
             await self.release.wait()
@@ -40,10 +47,27 @@ class App:
                     "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
+    async def endless(self, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        chunk = b"x" * 65536
+
+        async def write_on() -> None:
+            while True:  # once writes wait on the client, this waits with them
+                await send({"type": "http.response.body", "body": chunk,
+                            "more_body": True})
+                await anyio.lowlevel.checkpoint()  # a send that does not wait yields here
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write_on)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.gone.set()
+            tg.cancel_scope.cancel()
+
 
 @asynccontextmanager
 async def serving(base: type, app: App) -> AsyncIterator[int]:
-    protocol = with_head_deadline(base, HEAD_TIMEOUT)
+    protocol = with_deadlines(base, HEAD_TIMEOUT, SEND_TIMEOUT)
     assert protocol is not None
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -145,9 +169,21 @@ async def test_a_request_under_way_is_never_cut(base):
         assert replies[0].count(b"HTTP/1.1 200") == 2
 
 
+@pytest.mark.anyio
+async def test_a_client_that_takes_none_of_its_reply_is_cut_off(base):
+    app = App()
+    async with serving(base, app) as port:
+        with connect(port) as sock:  # sends its request, then never reads
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await anyio.to_thread.run_sync(
+                sock.sendall, b"GET /endless HTTP/1.1\r\nHost: x\r\n\r\n")
+            with anyio.fail_after(WAIT):
+                await app.gone.wait()  # the app saw its client leave
+
+
 def test_uvicorn_protocol_is_httptools_when_it_is_installed():
     assert uvicorn_protocol() is HttpToolsProtocol
 
 
 def test_a_protocol_without_the_needed_methods_is_left_as_it_is():
-    assert with_head_deadline(object, HEAD_TIMEOUT) is None  # type: ignore[arg-type]
+    assert with_deadlines(object, HEAD_TIMEOUT, SEND_TIMEOUT) is None  # type: ignore[arg-type]
