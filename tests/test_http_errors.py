@@ -192,6 +192,8 @@ CHAT_400 = [
     ({"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
     ({"messages": HI, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"messages": HI, "web_search_options": {}}, "web_search_options"),  # {}: search on
+    ({"messages": HI, "verbosity": "low"}, "verbosity"),
     ({"messages": HI, "logit_bias": {"100000": 5}}, "logit_bias"),
     ({"messages": HI, "logit_bias": {"7": 150}}, "logit_bias"),
     ({"messages": HI, "stop": [str(i) for i in range(17)]}, "stop"),
@@ -246,6 +248,37 @@ def test_unsupported_openai_field_has_its_code(http):
                                json={"messages": HI, "audio": {"voice": "alloy"}}), 400)
     assert error["param"] == "audio"
     assert error["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(("path", "body", "kind"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "image_url"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
+     "input_audio"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+     "input_image"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_file", "file_id": "file-1"}]}]}, "input_file"),
+])
+def test_a_content_part_that_is_not_text_is_refused_by_its_type(http, path, body, kind):
+    error = error_of(http.post(path, json=body), 400)
+    assert f"content parts of type '{kind}' are not supported" in error["message"], error
+    assert error["param"] in ("messages.0.content", "input.0.content")
+
+
+def test_a_response_text_verbosity_is_refused_unless_the_default(http):
+    body = {"input": "hi", "max_output_tokens": 1}
+    error = error_of(http.post("/v1/responses", json={**body, "text": {"verbosity": "low"}}),
+                     400)
+    assert error["param"] == "text.verbosity" and error["code"] == "unsupported_parameter"
+    assert http.post("/v1/responses", json={**body, "text": {"verbosity": "medium"}}
+                     ).status_code == 200
+    assert http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1,
+                                                   "verbosity": "medium"}).status_code == 200
 
 
 def test_the_sdk_sees_a_bad_request_error(server):

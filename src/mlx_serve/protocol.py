@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 # OpenAI fields that would change the output and that this server cannot honour yet.
 # Sending them (with a non-default value) is a 400, never silently ignored.
@@ -91,6 +92,22 @@ class TextPart(BaseModel):
     text: str
 
 
+def text_parts_only(content: Any, text_types: tuple[str, ...]) -> Any:
+    """Refuse a content part that is not text (an image, audio, a file) by its type: the
+    models served here read text only. Otherwise the union's error would say the content
+    should have been a string."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in text_types:
+                raise PydanticCustomError(
+                    "unsupported_content",
+                    "content parts of type '{kind}' are not supported: this server takes "
+                    "text only ({allowed})",
+                    {"kind": kind, "allowed": ", ".join(repr(t) for t in text_types)})
+    return content
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str
@@ -112,6 +129,11 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        return text_parts_only(content, ("text",))
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -191,6 +213,11 @@ class InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        return text_parts_only(content, ("input_text", "output_text"))
 
 
 class FunctionCallItem(BaseModel):
@@ -279,6 +306,8 @@ RESPONSES_UNSUPPORTED = frozenset({
     "conversation", "background", "prompt", "max_tool_calls",
     "context_management", "moderation", "image", "background_options", "access_programs",
 })
+# Fields of a Responses ``text`` setting, beside its ``format``, that are not served here.
+TEXT_UNSUPPORTED = frozenset({"verbosity"})
 # Responses API fields accepted that change nothing about the generated text.
 RESPONSES_NO_EFFECT = frozenset({
     "service_tier", "safety_identifier",

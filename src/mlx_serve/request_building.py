@@ -49,17 +49,28 @@ def _unsupported(param: str, why: str = "is not supported by this server") -> No
     raise UnsupportedParameterError(f"'{param}' {why}", param=param)
 
 
+# Unsupported fields' values that ask for what the server does anyway: OpenAI's default.
+_DEFAULTS = {"verbosity": "medium"}
+
+
+def _is_off(name: str, value: Any) -> bool:
+    if name == "web_search_options":  # {} turns web search on, with its defaults
+        return value is None
+    return value in (None, False, [], {}) or _DEFAULTS.get(name, None) == value
+
+
 def check_extra_fields(extra: dict[str, Any] | None, unsupported: frozenset[str],
-                       no_effect: frozenset[str]) -> None:
+                       no_effect: frozenset[str], prefix: str = "") -> None:
     """The field policy for what a request model does not declare: a field that would
-    change the output is a 400 unless it is off; one that changes nothing is accepted;
-    anything else (a vendor's) is ignored with a warning, as vLLM does."""
+    change the output is a 400 unless it is off (or OpenAI's default); one that changes
+    nothing is accepted; anything else (a vendor's) is ignored with a warning, as vLLM
+    does. ``prefix``: where these fields sit in the body (``text.``)."""
     for name, value in (extra or {}).items():
         if name in unsupported:
-            if value not in (None, False, [], {}):
-                _unsupported(name)
+            if not _is_off(name, value):
+                _unsupported(prefix + name)
         elif name not in no_effect:
-            log.warning("ignoring unknown request field %r", name)
+            log.warning("ignoring unknown request field %r", prefix + name)
 
 
 def check_shared_fields(body: ChatCompletionRequest | CompletionRequest, settings: Settings

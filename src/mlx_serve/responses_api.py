@@ -24,6 +24,7 @@ from mlx_serve.protocol import (
     OUTPUT_LOGPROBS,
     RESPONSES_NO_EFFECT,
     RESPONSES_UNSUPPORTED,
+    TEXT_UNSUPPORTED,
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -46,6 +47,8 @@ from mlx_serve.request_building import check_extra_fields
 def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates this response; a 400 for what is not served."""
     check_extra_fields(body.model_extra, RESPONSES_UNSUPPORTED, RESPONSES_NO_EFFECT)
+    if body.text is not None:
+        check_extra_fields(body.text.model_extra, TEXT_UNSUPPORTED, frozenset(), "text.")
     if body.truncation == "auto":
         raise UnsupportedParameterError("'truncation': 'auto' is not supported (an input "
                                         "over the context is a 400)", param="truncation")
