@@ -70,13 +70,13 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout: float, send_timeo
             cycle = self.cycle
             super().data_received(data)
             if self.cycle is not cycle:  # a request's headers are complete
-                self._disarm_head()
+                self._head_timer = _cancelled(self._head_timer)
             elif self._head_timer is None and self._between_requests():
                 self._arm_head()  # the first bytes of a next request's head
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_head()
-            self._disarm_send()
+            self._head_timer = _cancelled(self._head_timer)
+            self._send_timer = _cancelled(self._send_timer)
             super().connection_lost(exc)
 
         def pause_writing(self) -> None:
@@ -86,12 +86,7 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout: float, send_timeo
 
         def resume_writing(self) -> None:
             super().resume_writing()
-            self._disarm_send()
-
-        def _disarm_send(self) -> None:
-            if self._send_timer is not None:
-                self._send_timer.cancel()
-                self._send_timer = None
+            self._send_timer = _cancelled(self._send_timer)
 
         def _send_expired(self) -> None:
             self._send_timer = None
@@ -105,11 +100,6 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout: float, send_timeo
         def _arm_head(self) -> None:
             self._head_timer = self.loop.call_later(self.head_deadline, self._head_expired)
 
-        def _disarm_head(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
         def _head_expired(self) -> None:
             self._head_timer = None
             if self.transport.is_closing() or not self._between_requests():
@@ -120,6 +110,13 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout: float, send_timeo
 
     Deadlines.__name__ = Deadlines.__qualname__ = f"Deadlines{base.__name__}"
     return Deadlines
+
+
+def _cancelled(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
+    """Cancel ``timer`` if there is one; what the attribute that held it holds now."""
+    if timer is not None:
+        timer.cancel()
+    return None
 
 
 def _peer(transport: Any) -> str:
