@@ -176,8 +176,51 @@ def test_required_tool_choice_calls_one_of_the_tools(agentic_server):
         json.loads(call["function"]["arguments"])
 
 
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+        "additionalProperties": False}}}
+
+
+def allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+
+def test_allowed_tools_required_calls_one_of_the_allowed(agentic_server):
+    for seed in (1, 2, 3):
+        reply = chat(agentic_server, tools=BOUNDED_TOOLS + [TIME_TOOL], max_tokens=80,
+                     tool_choice=allowed("required", "get_time"), temperature=1.0, seed=seed)
+        choice = reply.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time"
+        assert set(json.loads(call["function"]["arguments"])) == {"zone"}
+
+
+def test_allowed_tools_auto_offers_only_the_allowed(agentic_server):
+    def prompt_tokens(**body) -> int:
+        reply = chat(agentic_server, max_tokens=1, **body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens"]
+
+    both = prompt_tokens(tools=BOUNDED_TOOLS + [TIME_TOOL], tool_choice="auto")
+    only_time = prompt_tokens(tools=[TIME_TOOL], tool_choice="auto")
+    assert only_time < both
+    assert prompt_tokens(tools=BOUNDED_TOOLS + [TIME_TOOL],
+                         tool_choice=allowed("auto", "get_time")) == only_time
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": allowed("auto", "nope")}, "tool_choice"),
+    ({"tool_choice": allowed("required", "get_weather")}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "custom", "custom": {"name": "x"}}]}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": "get_weather"}]}}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
@@ -240,6 +283,24 @@ def test_a_forced_function_call_comes_back_as_a_function_call_item(agentic_serve
     assert final.status == "completed"
     assert [(o.type, getattr(o, "name", None)) for o in final.output] == [
         ("message", None), ("function_call", "get_weather")]
+
+
+def test_a_response_echoes_its_tools_and_allowed_tools_choice(agentic_server):
+    time_tool = {"type": "function", "name": "get_time",
+                 "parameters": TIME_TOOL["function"]["parameters"]}
+    choice = {"type": "allowed_tools", "mode": "required",
+              "tools": [{"type": "function", "name": "get_time"}]}
+    with sdk(agentic_server) as client:
+        response = client.responses.create(
+            model="agentic", input="What time is it?", tools=[RESPONSES_TOOL, time_tool],
+            tool_choice=choice, max_output_tokens=80, temperature=0)
+    assert [(o.type, getattr(o, "name", None)) for o in response.output
+            if o.type == "function_call"] == [("function_call", "get_time")]
+    assert [t.name for t in response.tools] == ["get_weather", "get_time"]
+    assert response.tools[1].parameters == time_tool["parameters"]
+    assert response.tool_choice.type == "allowed_tools"
+    assert (response.tool_choice.mode, response.tool_choice.tools) == ("required",
+                                                                       choice["tools"])
 
 
 def test_function_calls_and_their_outputs_go_in_as_the_chat_history(agentic_server):

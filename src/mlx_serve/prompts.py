@@ -8,7 +8,12 @@ from typing import Any
 
 from mlx_serve.errors import RequestError, UnsupportedParameterError
 from mlx_serve.prompt_encoder import PromptEncoder
-from mlx_serve.protocol import CHAT_TEMPLATE_KWARGS, ChatCompletionRequest, ChatMessage
+from mlx_serve.protocol import (
+    CHAT_TEMPLATE_KWARGS,
+    AllowedToolsChoice,
+    ChatCompletionRequest,
+    ChatMessage,
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,27 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def with_allowed_tools(body: ChatCompletionRequest) -> ChatCompletionRequest:
+    """``tool_choice: allowed_tools``: the request as if it offered only the tools named,
+    with the choice's mode (``auto`` or ``required``) as its ``tool_choice``. The others
+    are left out of the prompt (OpenAI keeps them there, for its prompt cache), so the
+    model cannot call them."""
+    choice = body.tool_choice
+    if not isinstance(choice, AllowedToolsChoice):
+        return body
+    offered = {t.function.name for t in body.tools or ()}
+    allowed = set()
+    for tool in choice.allowed_tools.tools:
+        function = tool.get("function")
+        name = tool.get("name") or (function.get("name") if isinstance(function, dict) else None)
+        if tool.get("type") != "function" or not isinstance(name, str) or name not in offered:
+            raise RequestError(f"'tool_choice' allows {tool!r}, which is not a function in "
+                               "'tools'", param="tool_choice")
+        allowed.add(name)
+    tools = [t for t in body.tools or () if t.function.name in allowed]
+    return body.model_copy(update={"tools": tools, "tool_choice": choice.allowed_tools.mode})
+
+
 def offered_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict] | None:
     if not body.tools or body.tool_choice == "none":
         return None
@@ -77,6 +103,7 @@ def forced_call_schema(body: ChatCompletionRequest, tokenizer: Any) -> dict | No
             "forcing a tool call needs a model with tool-call markers in its chat template",
             param="tool_choice")
     tools = [t.function for t in body.tools]
+    assert not isinstance(choice, AllowedToolsChoice)  # with_allowed_tools made it a mode
     if not isinstance(choice, str):
         wanted = choice.function.get("name")
         tools = [f for f in tools if f.name == wanted]

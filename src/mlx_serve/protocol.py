@@ -159,6 +159,22 @@ class NamedToolChoice(BaseModel):
     function: dict[str, str]
 
 
+class AllowedTools(BaseModel):
+    """Which of the request's tools the model may call (``{"type": "function", "function":
+    {"name": ...}}``, or a Response's flat ``{"type": "function", "name": ...}``), and
+    whether it must call one."""
+
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[dict[str, Any]], Field(min_length=1)]
+
+
+class AllowedToolsChoice(BaseModel):
+    """OpenAI's ``tool_choice: {"type": "allowed_tools", "allowed_tools": {...}}``."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Any = None
@@ -171,7 +187,8 @@ class ChatCompletionRequest(_Request):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: (Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
+                  | None) = None
     # False: at most one call; the reply ends where the first call does (OpenAI's
     # default, True, lets the model write as many as it does).
     parallel_tool_calls: bool | None = None
@@ -331,6 +348,12 @@ class ResponsesNamedToolChoice(BaseModel):
     name: str
 
 
+class ResponsesAllowedToolsChoice(AllowedTools):
+    """A Response's ``allowed_tools`` choice: chat's, with its fields at the top."""
+
+    type: Literal["allowed_tools"]
+
+
 class ResponsesRequest(BaseModel):
     """OpenAI's ``POST /v1/responses``: text in, text out; a stored earlier response may
     stand for the conversation before ``input``."""
@@ -348,7 +371,8 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     user: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    tool_choice: (Literal["none", "auto", "required"] | ResponsesNamedToolChoice
+                  | ResponsesAllowedToolsChoice | None) = None
     parallel_tool_calls: bool | None = None  # as chat's
     truncation: Literal["auto", "disabled"] | None = None
     previous_response_id: str | None = None

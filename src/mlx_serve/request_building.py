@@ -19,7 +19,7 @@ from mlx_serve.config import Settings
 from mlx_serve.errors import ContextLengthExceededError, RequestError, UnsupportedParameterError
 from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
 from mlx_serve.guided import guided_format
-from mlx_serve.prompts import render_chat
+from mlx_serve.prompts import render_chat, with_allowed_tools
 from mlx_serve.protocol import (
     ACCEPTED_NO_EFFECT,
     UNSUPPORTED_FIELDS,
@@ -186,6 +186,7 @@ async def build_chat_request(
     body: ChatCompletionRequest, runner: Any, settings: Settings, request_id: str
 ) -> Prepared:
     check_shared_fields(body, settings)
+    body = with_allowed_tools(body)
     if body.top_logprobs and not body.logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer,

@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import BaseModel
+
 from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
 from mlx_serve.generation import TokenLogprob
 from mlx_serve.protocol import (
@@ -25,6 +27,8 @@ from mlx_serve.protocol import (
     RESPONSES_NO_EFFECT,
     RESPONSES_UNSUPPORTED,
     TEXT_UNSUPPORTED,
+    AllowedTools,
+    AllowedToolsChoice,
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -35,6 +39,7 @@ from mlx_serve.protocol import (
     NamedToolChoice,
     ReasoningItem,
     ResponseFormat,
+    ResponsesAllowedToolsChoice,
     ResponsesNamedToolChoice,
     ResponsesRequest,
     Tool,
@@ -67,6 +72,9 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     choice: Any = body.tool_choice
     if isinstance(choice, ResponsesNamedToolChoice):
         choice = NamedToolChoice(type="function", function={"name": choice.name})
+    elif isinstance(choice, ResponsesAllowedToolsChoice):
+        choice = AllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(
+            mode=choice.mode, tools=choice.tools))
     return ChatCompletionRequest(
         messages=_messages(body), max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, user=body.user,
@@ -185,10 +193,17 @@ class ResponseBuilder:
             "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text and body.text.format else {"type": "text"}},
-            "tool_choice": "auto", "tools": [], "truncation": "disabled", "user": body.user,
+            "tool_choice": _echoed(body.tool_choice) or "auto",
+            "tools": [tool.model_dump() for tool in body.tools or ()],
+            "truncation": "disabled", "user": body.user,
             "metadata": body.metadata or {},
             "usage": _usage(choice, prompt_tokens) if choice is not None else None,
         }
+
+
+def _echoed(value: Any) -> Any:
+    """A request's setting as the Response echoes it: as sent."""
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 def function_call_item(call: dict[str, Any], complete: bool = True) -> dict[str, Any]:
