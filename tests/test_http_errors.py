@@ -281,6 +281,15 @@ def test_a_response_text_verbosity_is_refused_unless_the_default(http):
                                                    "verbosity": "medium"}).status_code == 200
 
 
+def test_stream_options_the_sdk_sends_are_accepted(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=TIMEOUT,
+                       max_retries=0) as client:
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=2, stream=True,
+            stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+
+
 def test_the_sdk_sees_a_bad_request_error(server):
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=TIMEOUT,
                        max_retries=0) as client:

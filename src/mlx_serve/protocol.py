@@ -85,6 +85,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    # OpenAI pads its streamed chunks with random characters in an ``obfuscation`` field
+    # against size side channels. No chunk here carries one; the text is the same.
+    include_obfuscation: bool = False
 
 
 class TextPart(BaseModel):
