@@ -194,6 +194,7 @@ CHAT_400 = [
     ({"messages": HI, "prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"messages": HI, "web_search_options": {}}, "web_search_options"),  # {}: search on
     ({"messages": HI, "verbosity": "low"}, "verbosity"),
+    ({"messages": HI, "moderation": {"input": {"mode": "block"}}}, "moderation"),
     ({"messages": HI, "logit_bias": {"100000": 5}}, "logit_bias"),
     ({"messages": HI, "logit_bias": {"7": 150}}, "logit_bias"),
     ({"messages": HI, "stop": [str(i) for i in range(17)]}, "stop"),

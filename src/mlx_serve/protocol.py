@@ -13,9 +13,11 @@ from pydantic_core import PydanticCustomError
 
 # OpenAI fields that would change the output and that this server cannot honour yet.
 # Sending them (with a non-default value) is a 400, never silently ignored.
+# (Every field of the openai SDK's chat, completion and Responses create parameters, as of
+# its version 3.63, is declared by a request model or listed here or below.)
 UNSUPPORTED_FIELDS = frozenset({
     "audio", "modalities", "prediction", "web_search_options",
-    "functions", "function_call", "verbosity",
+    "functions", "function_call", "verbosity", "moderation",
     # vLLM's, which its clients send in extra_body
     "use_beam_search", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
 })
@@ -25,7 +27,8 @@ CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effo
                                   "add_generation_prompt_suffix", "documents"})
 # OpenAI fields that are accepted and change nothing about the generated text.
 ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "safety_identifier",
-                                "prompt_cache_key", "prompt_cache_retention"})
+                                "prompt_cache_key", "prompt_cache_retention",
+                                "prompt_cache_options"})
 
 
 class _Request(BaseModel):
