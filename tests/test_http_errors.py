@@ -146,7 +146,7 @@ def test_response_metadata_is_openais_pairs_of_strings(http, metadata, param):
 
 @pytest.mark.parametrize("path, body, param, says", [
     ("/v1/completions", {"prompt": 5}, "prompt", "valid string"),
-    ("/v1/completions", {"prompt": [1, "x"]}, "prompt.1", "valid integer"),
+    ("/v1/completions", {"prompt": [1, 2.5]}, "prompt.1", "valid integer"),
     ("/v1/completions", {"prompt": []}, "prompt", "at least 1 item"),
     ("/v1/responses", {"input": [{"role": 5, "content": "hi"}]}, "input.0.role", "'user'"),
     ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
@@ -218,6 +218,9 @@ COMPLETION_400 = [
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [100000]}, "prompt"),  # a token id outside the 512-token vocabulary
+    ({"prompt": [True]}, "prompt"),  # JSON's true is no token id
+    ({"prompt": [1.0]}, "prompt"),
+    ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids"),
     ({"prompt": "hi", "suffix": "and then"}, "suffix"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
@@ -242,6 +245,17 @@ def test_invalid_completion_parameter_is_400_naming_it(http, body, param):
     error = error_of(http.post("/v1/completions", json=body), 400)
     assert error["type"] == "invalid_request_error"
     assert param_matches(error, param), error
+
+
+@pytest.mark.parametrize(("prompt", "kinds"), [
+    (["hi", [1, 2]], "a string and a token-id list"),
+    ([1, "hi"], "a string and a token id"),
+    ([1, [2]], "a token id and a token-id list"),
+])
+def test_a_prompt_list_of_mixed_kinds_says_so(http, prompt, kinds):
+    error = error_of(http.post("/v1/completions", json={"prompt": prompt}), 400)
+    assert error["param"] == "prompt"
+    assert error["message"].endswith(f"this one mixes {kinds}"), error
 
 
 def test_unsupported_openai_field_has_its_code(http):

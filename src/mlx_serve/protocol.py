@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 # OpenAI fields that would change the output and that this server cannot honour yet.
@@ -53,7 +60,7 @@ class _Request(BaseModel):
     n: Annotated[int, Field(ge=1, le=128)] = 1
     user: str | None = None
     # vLLM extension: token ids that end generation like an end-of-sequence token.
-    stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     # vLLM extensions that benchmark clients use to fix a reply's length: go on past an
     # end-of-sequence token; end no earlier than min_tokens (no EOS, stop id or stop string).
     ignore_eos: bool = False
@@ -82,6 +89,10 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+
+
+# A token id as JSON writes one: an integer, not ``true`` or ``1.0``.
+TokenId = StrictInt
 
 
 class StreamOptions(BaseModel):
@@ -212,15 +223,30 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: (
         str
-        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[str], Field(min_length=1, max_length=128)]
-        | Annotated[list[Annotated[list[int], Field(min_length=1)]],
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                     Field(min_length=1, max_length=128)]
     )
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind_of_prompt(cls, prompt: Any) -> Any:
+        """A list of one kind: the union's own error for a mixed list names whichever
+        member pydantic tried (``prompt.0`` should be an integer)."""
+        if isinstance(prompt, list) and prompt:
+            kinds = {"a string" if isinstance(p, str) else "a token-id list"
+                     if isinstance(p, list) else "a token id" for p in prompt}
+            if len(kinds) > 1:
+                raise PydanticCustomError(
+                    "mixed_prompt",
+                    "a list 'prompt' holds one kind of item, token ids, strings or token-id "
+                    "lists; this one mixes {kinds}", {"kinds": " and ".join(sorted(kinds))})
+        return prompt
 
 
 class InputText(BaseModel):
@@ -412,7 +438,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: Annotated[list[int], Field(max_length=1 << 20)]
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
 
 
 _Request.model_rebuild()
