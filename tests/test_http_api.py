@@ -431,3 +431,25 @@ def test_vllm_fields_that_change_the_output_are_honoured_or_a_400(client, server
         reply = httpx.post(server.base_url + "/v1/completions", timeout=TIMEOUT,
                            json={**common, field: value})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == field
+
+
+def test_text_and_refusal_parts_read_as_their_text(client):
+    """A conversation sent back with content parts renders as the same text in strings: a
+    refusal part (the assistant's own words, as OpenAI returns them) included."""
+    def prompt_tokens(messages) -> int:
+        return client.chat.completions.create(model=MODEL, messages=messages,
+                                              max_tokens=1).usage.prompt_tokens
+
+    as_strings = [{"role": "user", "content": "Tell me a secret."},
+                  {"role": "assistant", "content": "I can't share that."},
+                  {"role": "user", "content": "Then a joke."}]
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me a secret."}]},
+                {"role": "assistant", "content": [
+                    {"type": "refusal", "refusal": "I can't share that."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Then a joke."}]}]
+    assert prompt_tokens(as_parts) == prompt_tokens(as_strings)
+    response = client.responses.create(model=MODEL, max_output_tokens=1, input=[
+        {"role": "user", "content": "Tell me a secret."},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't share that."}]},
+        {"role": "user", "content": "Then a joke."}])
+    assert response.usage.input_tokens == prompt_tokens(as_strings)

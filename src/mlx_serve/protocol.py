@@ -109,6 +109,18 @@ class TextPart(BaseModel):
     text: str
 
 
+class RefusalPart(BaseModel):
+    """An assistant's refusal, as OpenAI returns it and clients send back: text the
+    assistant said."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
 def text_parts_only(content: Any, text_types: tuple[str, ...]) -> Any:
     """Refuse a content part that is not text (an image, audio, a file) by its type: the
     models served here read text only. Otherwise the union's error would say the content
@@ -140,7 +152,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -150,7 +162,7 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content: Any) -> Any:
-        return text_parts_only(content, ("text",))
+        return text_parts_only(content, ("text", "refusal"))
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -261,12 +273,12 @@ class InputMessage(BaseModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText]
+    content: str | list[InputText | RefusalPart]
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content: Any) -> Any:
-        return text_parts_only(content, ("input_text", "output_text"))
+        return text_parts_only(content, ("input_text", "output_text", "refusal"))
 
 
 class FunctionCallItem(BaseModel):
