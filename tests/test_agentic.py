@@ -303,7 +303,11 @@ def test_a_response_echoes_its_tools_and_allowed_tools_choice(agentic_server):
                                                                        choice["tools"])
 
 
-def test_function_calls_and_their_outputs_go_in_as_the_chat_history(agentic_server):
+@pytest.mark.parametrize("output", [
+    "sunny, 21 C",
+    [{"type": "input_text", "text": "sunny, "}, {"type": "input_text", "text": "21 C"}],
+], ids=["text", "text-parts"])
+def test_function_calls_and_their_outputs_go_in_as_the_chat_history(agentic_server, output):
     as_chat = chat(agentic_server, messages=HISTORY, tools=BOUNDED_TOOLS, max_tokens=1).json()
     with sdk(agentic_server) as client:
         response = client.responses.create(model="agentic", tools=[RESPONSES_TOOL],
@@ -311,8 +315,20 @@ def test_function_calls_and_their_outputs_go_in_as_the_chat_history(agentic_serv
             {"role": "user", "content": "What is the weather in Paris?"},
             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
              "arguments": '{"city": "Paris"}'},
-            {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}])
+            {"type": "function_call_output", "call_id": "call_1", "output": output}])
     assert response.usage.input_tokens == as_chat["usage"]["prompt_tokens"]
+
+
+def test_a_function_output_that_is_not_text_is_refused_by_its_type(agentic_server):
+    reply = httpx.post(agentic_server.base_url + "/v1/responses", timeout=30, json={
+        "max_output_tokens": 1, "input": [
+            {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": [
+                {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "input.1.output"
+    assert "content parts of type 'input_image' are not supported" in error["message"]
 
 
 def test_a_function_call_carries_over_to_the_follow_up_by_id(agentic_server):

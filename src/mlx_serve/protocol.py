@@ -299,7 +299,17 @@ class FunctionCallOutputItem(BaseModel):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[InputText]
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text_only(cls, output: Any) -> Any:
+        return text_parts_only(output, ("input_text",))
+
+    def text(self) -> str:
+        if isinstance(self.output, list):
+            return "".join(part.text for part in self.output)
+        return self.output
 
 
 class ReasoningPart(BaseModel):

@@ -102,7 +102,7 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
             last.tool_calls = [*(last.tool_calls or []), call]
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
-                                        content=item.output))
+                                        content=item.text()))
         elif isinstance(item, ReasoningItem):
             messages.append(ChatMessage(role="assistant", content=None,
                                         reasoning_content=reasoning_text(item)))
