@@ -391,7 +391,7 @@ def test_reasoning_sent_back_goes_in_before_the_assistant_text(agentic_server):
 
 
 @pytest.mark.parametrize(("effort", "thinks"), [("none", False), ("minimal", False),
-                                                ("low", True), ("high", True)])
+                                                ("low", True), ("high", True), ("max", True)])
 def test_reasoning_effort_sets_the_templates_thinking_switch(agentic_server, effort, thinks):
     """OpenAI's reasoning_effort (chat) and reasoning.effort (Responses) reach a
     Qwen-style template as its enable_thinking: the same prompt as that switch."""
@@ -413,6 +413,26 @@ def test_reasoning_summaries_are_not_made_here(agentic_server):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == "reasoning.summary" and "not made" in error["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"reasoning": {"effort": "low", "mode": "pro"}}, "reasoning.mode"),
+    ({"reasoning": {"effort": "low", "context": "all_turns"}}, "reasoning.context"),
+    ({"tools": [{**RESPONSES_TOOL, "defer_loading": True}]}, "tools.0.defer_loading"),
+])
+def test_response_settings_the_server_does_not_do_are_400(agentic_server, body, param):
+    reply = httpx.post(agentic_server.base_url + "/v1/responses", timeout=30,
+                       json={"input": "Hi", "max_output_tokens": 1, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_response_settings_that_ask_for_what_the_server_does_are_taken(agentic_server):
+    reply = httpx.post(agentic_server.base_url + "/v1/responses", timeout=30, json={
+        "input": "Hi", "max_output_tokens": 1,
+        "reasoning": {"effort": "low", "mode": "standard", "context": "auto"},
+        "tools": [{**RESPONSES_TOOL, "defer_loading": False}]})
+    assert reply.status_code == 200, reply.text
 
 
 def test_reasoning_effort_goes_to_a_template_that_takes_it_or_is_a_400():

@@ -91,6 +91,9 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
+# OpenAI's reasoning efforts: chat's ``reasoning_effort``, a Response's ``reasoning.effort``.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
 # A token id as JSON writes one: an integer, not ``true`` or ``1.0``.
 TokenId = StrictInt
 
@@ -223,7 +226,7 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # How much a reasoning model thinks, through its chat template (prompts.py).
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     # Where reasoning goes in replies (vendor field, as llama.cpp's server has it).
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] | None = None
     # vLLM's: the template's generation prompt, or the final message left open for the
@@ -346,6 +349,9 @@ class FunctionTool(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    # Loaded only once a tool search finds it: there is no tool search here, so every
+    # function is in the prompt from the start.
+    defer_loading: Literal[False] = False
 
 
 class TextFormat(BaseModel):
@@ -392,9 +398,13 @@ class ReasoningConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: ReasoningEffort | None = None
     summary: str | None = None  # a 400 unless null (responses_api.as_chat_request)
     generate_summary: str | None = None
+    # Which earlier reasoning the model sees again, and its execution mode: only what the
+    # server does anyway is taken (the template decides what earlier turns show).
+    context: Literal["auto"] | None = None
+    mode: Literal["standard"] | None = None
 
 
 class ResponsesNamedToolChoice(BaseModel):
