@@ -138,6 +138,22 @@ async def test_a_kept_alive_connection_is_timed_again_from_its_next_head(base):
 
 
 @pytest.mark.anyio
+async def test_pipelined_requests_are_all_answered(base):
+    async with serving(base, App()) as port:
+        def client() -> bytes:
+            with connect(port) as sock:
+                sock.sendall(REQUEST * 3)  # three heads in one write
+                data = b""
+                while data.count(b"\r\n\r\nok") < 3:
+                    chunk = sock.recv(65536)  # bounded by the socket's timeout
+                    assert chunk, f"closed after {data!r}"
+                    data += chunk
+                return data
+
+        assert (await anyio.to_thread.run_sync(client)).count(b"HTTP/1.1 200") == 3
+
+
+@pytest.mark.anyio
 async def test_a_request_under_way_is_never_cut(base):
     app = App()
     sent = threading.Event()
