@@ -8,7 +8,7 @@ import json
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from mlx_serve.protocol import ResponsesRequest
+from mlx_serve.protocol_responses import ResponsesRequest
 from mlx_serve.responses_api import ResponseBuilder
 from mlx_serve.responses_stream import _OutputItems
 from tests.test_agentic import scripted_deltas, sdk, shape_for

@@ -410,7 +410,7 @@ def test_a_reply_streams_each_call_of_a_span_as_it_is_written(tiny_model_dir, tm
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_a_response_streams_each_call_as_its_own_item(tiny_model_dir, tmp_path, name):
-    from mlx_serve.protocol import ResponsesRequest
+    from mlx_serve.protocol_responses import ResponsesRequest
     from mlx_serve.replies import ReplyShape
     from mlx_serve.responses_api import ResponseBuilder
     from mlx_serve.responses_stream import _OutputItems

@@ -23,27 +23,29 @@ from pydantic import BaseModel
 from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
 from mlx_serve.generation import TokenLogprob
 from mlx_serve.protocol import (
-    OUTPUT_LOGPROBS,
-    RESPONSES_NO_EFFECT,
-    RESPONSES_UNSUPPORTED,
-    TEXT_UNSUPPORTED,
     AllowedTools,
     AllowedToolsChoice,
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
+    FunctionDefinition,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+)
+from mlx_serve.protocol_responses import (
+    OUTPUT_LOGPROBS,
+    RESPONSES_NO_EFFECT,
+    RESPONSES_UNSUPPORTED,
+    TEXT_UNSUPPORTED,
     FunctionCallItem,
     FunctionCallOutputItem,
-    FunctionDefinition,
     ItemReference,
-    NamedToolChoice,
     ReasoningItem,
-    ResponseFormat,
     ResponsesAllowedToolsChoice,
     ResponsesNamedToolChoice,
     ResponsesRequest,
-    Tool,
-    ToolCall,
 )
 from mlx_serve.replies import Choice, chat_logprob
 from mlx_serve.request_building import check_extra_fields

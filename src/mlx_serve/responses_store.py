@@ -23,7 +23,7 @@ from typing import Any
 from starlette.datastructures import QueryParams
 
 from mlx_serve.errors import MLXServeError, RequestError, UnsupportedParameterError
-from mlx_serve.protocol import OUTPUT_LOGPROBS, ItemReference, ResponsesRequest
+from mlx_serve.protocol_responses import OUTPUT_LOGPROBS, ItemReference, ResponsesRequest
 from mlx_serve.request_building import off_loop_if_long
 
 

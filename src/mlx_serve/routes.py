@@ -18,7 +18,8 @@ from mlx_serve.errors import AuthenticationError
 from mlx_serve.http_input import check_model, parse, read_json, ready_engine, server_state
 from mlx_serve.json_response import JSONResponse
 from mlx_serve.metrics import RequestTracker
-from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
+from mlx_serve.protocol_responses import ResponsesRequest
 from mlx_serve.remote_engine import RemoteEngine
 from mlx_serve.replies import Choice, ReplyShape
 from mlx_serve.request_building import (
