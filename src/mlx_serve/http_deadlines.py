@@ -55,61 +55,67 @@ def with_deadlines(base: type[asyncio.Protocol], head_timeout: float, send_timeo
         log.warning("%s lacks %s: request heads and stalled replies are not timed",
                     base.__name__, _NEEDED)
         return None
+    return type(f"Deadlines{base.__name__}", (DeadlinesMixin, base),
+                {"head_deadline": head_timeout, "send_deadline": send_timeout})
 
-    class Deadlines(base):  # type: ignore[valid-type, misc]
-        head_deadline = head_timeout
-        send_deadline = send_timeout
 
-        def connection_made(self, transport: Any) -> None:
-            self._head_timer: asyncio.TimerHandle | None = None
-            self._send_timer: asyncio.TimerHandle | None = None
-            super().connection_made(transport)
-            self._arm_head()
+class DeadlinesMixin:
+    """The deadlines, before one of uvicorn's HTTP protocols in a class's bases (the
+    attributes it reads are that protocol's)."""
 
-        def data_received(self, data: bytes) -> None:
-            cycle = self.cycle
-            super().data_received(data)
-            if self.cycle is not cycle:  # a request's headers are complete
-                self._head_timer = _cancelled(self._head_timer)
-            elif self._head_timer is None and self._between_requests():
-                self._arm_head()  # the first bytes of a next request's head
+    head_deadline: float
+    send_deadline: float
+    cycle: Any
+    loop: asyncio.AbstractEventLoop
+    transport: Any
 
-        def connection_lost(self, exc: Exception | None) -> None:
+    def connection_made(self, transport: Any) -> None:
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm_head()
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        super().data_received(data)  # type: ignore[misc]
+        if self.cycle is not cycle:  # a request's headers are complete
             self._head_timer = _cancelled(self._head_timer)
-            self._send_timer = _cancelled(self._send_timer)
-            super().connection_lost(exc)
+        elif self._head_timer is None and self._between_requests():
+            self._arm_head()  # the first bytes of a next request's head
 
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._send_timer is None:
-                self._send_timer = self.loop.call_later(self.send_deadline, self._send_expired)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_timer = _cancelled(self._head_timer)
+        self._send_timer = _cancelled(self._send_timer)
+        super().connection_lost(exc)  # type: ignore[misc]
 
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            self._send_timer = _cancelled(self._send_timer)
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_deadline, self._send_expired)
 
-        def _send_expired(self) -> None:
-            self._send_timer = None
-            log.warning("aborted a connection from %s: its client took none of the reply "
-                        "for %g s", _peer(self.transport), self.send_deadline)
-            self.transport.abort()  # close() would wait to flush what the client won't take
+    def resume_writing(self) -> None:
+        super().resume_writing()  # type: ignore[misc]
+        self._send_timer = _cancelled(self._send_timer)
 
-        def _between_requests(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
+    def _send_expired(self) -> None:
+        self._send_timer = None
+        log.warning("aborted a connection from %s: its client took none of the reply "
+                    "for %g s", _peer(self.transport), self.send_deadline)
+        self.transport.abort()  # close() would wait to flush what the client won't take
 
-        def _arm_head(self) -> None:
-            self._head_timer = self.loop.call_later(self.head_deadline, self._head_expired)
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
 
-        def _head_expired(self) -> None:
-            self._head_timer = None
-            if self.transport.is_closing() or not self._between_requests():
-                return  # closed already, or a request is under way: its own bounds hold
-            log.warning("closed a connection from %s: no complete request head within "
-                        "%g s", _peer(self.transport), self.head_deadline)
-            self.transport.close()
+    def _arm_head(self) -> None:
+        self._head_timer = self.loop.call_later(self.head_deadline, self._head_expired)
 
-    Deadlines.__name__ = Deadlines.__qualname__ = f"Deadlines{base.__name__}"
-    return Deadlines
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._between_requests():
+            return  # closed already, or a request is under way: its own bounds hold
+        log.warning("closed a connection from %s: no complete request head within "
+                    "%g s", _peer(self.transport), self.head_deadline)
+        self.transport.close()
 
 
 def _cancelled(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
