@@ -419,6 +419,8 @@ def test_reasoning_summaries_are_not_made_here(agentic_server):
     ({"reasoning": {"effort": "low", "mode": "pro"}}, "reasoning.mode"),
     ({"reasoning": {"effort": "low", "context": "all_turns"}}, "reasoning.context"),
     ({"tools": [{**RESPONSES_TOOL, "defer_loading": True}]}, "tools.0.defer_loading"),
+    ({"tools": [{**RESPONSES_TOOL, "allowed_callers": ["programmatic"]}]},
+     "tools.0.allowed_callers"),
 ])
 def test_response_settings_the_server_does_not_do_are_400(agentic_server, body, param):
     reply = httpx.post(agentic_server.base_url + "/v1/responses", timeout=30,
@@ -431,7 +433,8 @@ def test_response_settings_that_ask_for_what_the_server_does_are_taken(agentic_s
     reply = httpx.post(agentic_server.base_url + "/v1/responses", timeout=30, json={
         "input": "Hi", "max_output_tokens": 1,
         "reasoning": {"effort": "low", "mode": "standard", "context": "auto"},
-        "tools": [{**RESPONSES_TOOL, "defer_loading": False}]})
+        "tools": [{**RESPONSES_TOOL, "defer_loading": False,
+                   "allowed_callers": ["direct", "programmatic"]}]})
     assert reply.status_code == 200, reply.text
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from mlx_serve.protocol import AllowedTools, ReasoningEffort, RefusalPart, text_parts_only
 
@@ -98,6 +99,17 @@ class FunctionTool(BaseModel):
     # Loaded only once a tool search finds it: there is no tool search here, so every
     # function is in the prompt from the start.
     defer_loading: Literal[False] = False
+    # Who may call it: the model itself must be among them, as nothing else calls here.
+    allowed_callers: list[Literal["direct", "programmatic"]] | None = None
+
+    @field_validator("allowed_callers")
+    @classmethod
+    def _model_may_call(cls, callers: list[str] | None) -> list[str] | None:
+        if callers is not None and "direct" not in callers:
+            raise PydanticCustomError(
+                "not_direct", "a function only code calls ('programmatic') is not served: "
+                "nothing but the model calls functions here")
+        return callers
 
 
 class TextFormat(BaseModel):
