@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 # OpenAI fields that would change the output and that this server cannot honour yet.
@@ -242,20 +250,24 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
-    @field_validator("prompt", mode="before")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _one_kind_of_prompt(cls, prompt: Any) -> Any:
-        """A list of one kind: the union's own error for a mixed list names whichever
-        member pydantic tried (``prompt.0`` should be an integer)."""
-        if isinstance(prompt, list) and prompt:
-            kinds = {"a string" if isinstance(p, str) else "a token-id list"
-                     if isinstance(p, list) else "a token id" for p in prompt}
-            if len(kinds) > 1:
-                raise PydanticCustomError(
-                    "mixed_prompt",
-                    "a list 'prompt' holds one kind of item, token ids, strings or token-id "
-                    "lists; this one mixes {kinds}", {"kinds": " and ".join(sorted(kinds))})
-        return prompt
+    def _one_kind_of_prompt(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A refused list that mixes kinds says so: the union's own error names whichever
+        member pydantic tried (``prompt.0`` should be an integer). Looked at only once
+        refused, so a long token-id prompt costs nothing more."""
+        try:
+            return handler(prompt)
+        except ValidationError:
+            if isinstance(prompt, list):
+                kinds = {"a string" if isinstance(p, str) else "a token-id list"
+                         if isinstance(p, list) else "a token id" for p in prompt}
+                if len(kinds) > 1:
+                    raise PydanticCustomError(
+                        "mixed_prompt", "a list 'prompt' holds one kind of item, token ids, "
+                        "strings or token-id lists; this one mixes {kinds}",
+                        {"kinds": " and ".join(sorted(kinds))}) from None
+            raise
 
 
 class TokenizeRequest(BaseModel):
