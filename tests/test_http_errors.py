@@ -34,6 +34,7 @@ HI = [{"role": "user", "content": "hi"}]  # 17 prompt tokens with the tiny ChatM
 MAX_CONTEXT = 64
 MAX_BODY = 2048
 BODY_TIMEOUT = 3.0  # seconds; every other test's body arrives at once
+BODIES_IN_FLIGHT = 3000  # bytes of bodies read at once; every other test sends one body
 TIMEOUT = 30.0
 READY_TIMEOUT = 100.0  # a start takes ~3 s, far more on a loaded 2-core machine
 
@@ -47,6 +48,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     proc = ServerProcess(tiny_model_dir, log, args=[
         "--max-body-bytes", str(MAX_BODY), "--max-context", str(MAX_CONTEXT),
         "--body-timeout", str(BODY_TIMEOUT), "--header-timeout", str(BODY_TIMEOUT),
+        "--max-body-bytes-in-flight", str(BODIES_IN_FLIGHT),
         "--served-model-name", MODEL,
         "--max-queue", "1", "--decode-batch-size", "1", "--failpoints-http",
         "--drain-timeout", "5"])
@@ -415,6 +417,31 @@ def test_a_body_that_stops_arriving_is_408_and_the_connection_closes(server):
     error = json.loads(body)["error"]
     assert error["code"] == "request_timeout"
     assert f"within {BODY_TIMEOUT:g} s" in error["message"]
+
+
+def test_bodies_read_at_once_have_a_budget(server, http):
+    def in_flight() -> float:
+        return float(re.search(r"^mlx_serve_request_body_bytes_in_flight (\S+)$",
+                               http.get("/metrics").text, re.MULTILINE).group(1))
+
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 2000\r\n\r\n")
+    body = {"model": MODEL, "messages": HI, "max_tokens": 1, "user": "u" * 1400}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + b" " * 1900)  # 1,900 of its 2,000 bytes, held open
+        deadline = time.monotonic() + TIMEOUT
+        while in_flight() < 1900:
+            assert time.monotonic() < deadline, "the held body was never counted"
+            time.sleep(0.02)
+        refused = http.post("/v1/chat/completions", json=body)
+    error = error_of(refused, 429)
+    assert error["code"] == "server_overloaded" and refused.headers["retry-after"] == "1"
+    assert refused.headers["connection"] == "close"
+    deadline = time.monotonic() + TIMEOUT
+    while in_flight() > 0:  # the held body's client has gone
+        assert time.monotonic() < deadline, "the held body was never given back"
+        time.sleep(0.02)
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
 
 
 def test_a_connection_that_never_sends_a_whole_head_is_closed(server):

@@ -18,6 +18,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
+from mlx_serve.body_budget import BodyBudget
 from mlx_serve.config import Settings
 from mlx_serve.engine import Engine, EngineState
 from mlx_serve.engine_setup import (
@@ -93,8 +94,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
             mlx = MLXThread(nice=settings.mlx_thread_nice)
             engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
         responses = ResponseStore(settings.responses_store_bytes)
+        bodies = BodyBudget(settings.max_body_bytes_in_flight)
         state = ServerState(settings, engine, failpoints, served_model_name(settings),
-                            ServerMetrics(engine, responses), responses=responses)
+                            ServerMetrics(engine, responses, bodies), responses=responses,
+                            bodies=bodies)
         app.state.server = state
         try:
             async with anyio.create_task_group() as tg:

@@ -62,6 +62,12 @@ class Settings(BaseSettings):
     )
     max_queue: int = Field(256, ge=1, description="requests waiting for a batch slot before 429")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body")
+    max_body_bytes_in_flight: int = Field(
+        256 * 1024 * 1024, ge=1024,
+        description="request-body bytes read at once across all requests; a body that "
+                    "would pass it is refused with 429 as it arrives (a lone body always "
+                    "fits)",
+    )
     header_timeout: float = Field(
         60.0, gt=0,
         description="seconds a connection may take to send a whole request head (from its "

@@ -9,6 +9,7 @@
     ├── RequestTimeoutError             408: the body did not arrive in time
     ├── PayloadTooLargeError            413
     ├── OverloadedError                 429 (+ Retry-After): the inbox is full
+    │   └── BodiesOverloadedError       429: too many body bytes being read at once
     ├── EngineUnavailableError          503 (+ Retry-After): loading, draining, wedged
     │   └── EngineDeadError             503: the actor is gone or has failed for good
     ├── GenerationError                 500: a batch step failed this request
@@ -92,6 +93,10 @@ class OverloadedError(MLXServeError):
     error_type = "rate_limit_error"
     code = "server_overloaded"
     retry_after = 1
+
+
+class BodiesOverloadedError(OverloadedError):
+    closes_connection = True  # refused while its body was still arriving
 
 
 class EngineUnavailableError(MLXServeError):

@@ -12,7 +12,6 @@ import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from mlx_serve.config import Settings
 from mlx_serve.engine import Engine, EngineState
 from mlx_serve.errors import (
     EngineUnavailableError,
@@ -31,23 +30,35 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def read_json(request: Request, settings: Settings) -> Any:
-    """Read the body, refusing it as soon as it passes ``max_body_bytes`` (413) or when it
+async def read_json(request: Request, state: ServerState) -> Any:
+    """Read the body, refusing it as soon as it passes ``max_body_bytes`` (413), when it
     has not arrived whole within ``body_timeout`` (408: uvicorn bounds no body's arrival,
-    so a client that stops sending would hold its connection and buffer for ever)."""
+    so a client that stops sending would hold its connection and buffer for ever), or
+    when the bodies being read at once would pass their budget with it (429)."""
+    settings = state.settings
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
     body = bytearray()
-    with anyio.move_on_after(settings.body_timeout) as arrival:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
-    if arrival.cancelled_caught:
-        raise RequestTimeoutError(
-            f"the request body did not arrive whole within {settings.body_timeout:g} s")
+    try:
+        with anyio.move_on_after(settings.body_timeout) as arrival:
+            async for chunk in request.stream():
+                state.bodies.take(len(chunk), len(body))
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+        if arrival.cancelled_caught:
+            raise RequestTimeoutError(
+                f"the request body did not arrive whole within {settings.body_timeout:g} s")
+        return _parsed(body)
+    finally:
+        state.bodies.give(len(body))
+
+
+def _parsed(body: bytearray) -> Any:
+    """The body's JSON. NaN, Infinity, numbers out of range and lone surrogates, which
+    Python's json reads, are refused."""
     try:
         value = json.loads(body, parse_constant=_not_json, parse_float=_finite)
     except ValueError as exc:

@@ -76,10 +76,14 @@ class _EngineCollector:
 class ServerMetrics:
     """One server's registry: the engine's collector and the per-request metrics."""
 
-    def __init__(self, engine: Any, responses: Any = None) -> None:
+    def __init__(self, engine: Any, responses: Any = None, bodies: Any = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         r = self.registry
+        if bodies is not None:  # request bodies being read: read when scraped
+            Gauge("mlx_serve_request_body_bytes_in_flight",
+                  "Request-body bytes being read at once.",
+                  registry=r).set_function(lambda: bodies.used)
         if responses is not None:  # the stored Responses: read when scraped
             Gauge("mlx_serve_responses_stored", "Responses kept for previous_response_id.",
                   registry=r).set_function(lambda: len(responses))

@@ -71,7 +71,7 @@ async def _open(request: Request, model_type: type[Any]
     check its model, and make sure the engine takes work."""
     state = server_state(request)
     _authorize(request, state)
-    body = parse(model_type, await read_json(request, state.settings))
+    body = parse(model_type, await read_json(request, state))
     return state, body, check_model(state, body.model), ready_engine(state)
 
 

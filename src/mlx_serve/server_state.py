@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mlx_serve.body_budget import BodyBudget
 from mlx_serve.config import Settings
 from mlx_serve.engine import Engine
 from mlx_serve.failpoints import FailPoints
@@ -24,5 +25,6 @@ class ServerState:
     metrics: ServerMetrics
     started: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))
+    bodies: BodyBudget = field(default_factory=lambda: BodyBudget(1 << 62))
     # Set by the server runner (``mlx-serve``): shut down gracefully with this status.
     request_exit: Callable[[int], None] | None = None

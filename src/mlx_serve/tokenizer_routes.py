@@ -25,7 +25,7 @@ async def tokenize(request: Request) -> Response:
     """vLLM's ``/tokenize``: the prompt tokens a completion (``prompt``) or a chat
     (``messages``, through the chat template) would have here."""
     state = server_state(request)
-    body = parse(TokenizeRequest, await read_json(request, state.settings))
+    body = parse(TokenizeRequest, await read_json(request, state))
     check_model(state, body.model)
     runner = ready_engine(state).runner
     if (body.prompt is None) == (body.messages is None):
@@ -53,7 +53,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     """vLLM's ``/detokenize``: token ids -> text."""
     state = server_state(request)
-    body = parse(DetokenizeRequest, await read_json(request, state.settings))
+    body = parse(DetokenizeRequest, await read_json(request, state))
     check_model(state, body.model)
     runner = ready_engine(state).runner
     if any(not 0 <= t < runner.vocab_size for t in body.tokens):
