@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -97,14 +97,25 @@ def read_until_closed(sock: socket.socket) -> bytes:
     return data
 
 
-def read_response(sock: socket.socket) -> bytes:
-    """One ``ok`` response (bounded by WAIT)."""
+def read_responses(sock: socket.socket, count: int = 1) -> bytes:
+    """``count`` ``ok`` responses (each read bounded by WAIT)."""
     data = b""
-    while not data.endswith(b"\r\n\r\nok"):
+    while data.count(b"\r\n\r\nok") < count:
         chunk = sock.recv(65536)
         assert chunk, f"closed inside a response: {data!r}"
         data += chunk
     return data
+
+
+async def exchange(base: type, client: Callable[[socket.socket], bytes]) -> bytes:
+    """``client`` on one connection to a server of ``base`` with the deadlines, in a
+    worker thread; what it returns."""
+    async with serving(base, App()) as port:
+        def run() -> bytes:
+            with connect(port) as sock:
+                return client(sock)
+
+        return await anyio.to_thread.run_sync(run)
 
 
 @pytest.fixture(params=[HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
@@ -115,42 +126,31 @@ def base(request) -> type:
 @pytest.mark.anyio
 @pytest.mark.parametrize("sent", [b"", b"GET / HTTP/1.1\r\nHost:"], ids=["nothing", "half"])
 async def test_a_connection_without_a_whole_head_is_closed(base, sent):
-    async with serving(base, App()) as port:
-        def client() -> bytes:
-            with connect(port) as sock:
-                sock.sendall(sent)
-                return read_until_closed(sock)
+    def client(sock: socket.socket) -> bytes:
+        sock.sendall(sent)
+        return read_until_closed(sock)
 
-        assert await anyio.to_thread.run_sync(client) == b""
+    assert await exchange(base, client) == b""
 
 
 @pytest.mark.anyio
 async def test_a_kept_alive_connection_is_timed_again_from_its_next_head(base):
-    async with serving(base, App()) as port:
-        def client() -> bytes:
-            with connect(port) as sock:
-                sock.sendall(REQUEST)
-                assert read_response(sock).startswith(b"HTTP/1.1 200")
-                sock.sendall(b"GET / HT")  # a next head that never ends
-                return read_until_closed(sock)
+    def client(sock: socket.socket) -> bytes:
+        sock.sendall(REQUEST)
+        assert read_responses(sock).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET / HT")  # a next head that never ends
+        return read_until_closed(sock)
 
-        assert await anyio.to_thread.run_sync(client) == b""
+    assert await exchange(base, client) == b""
 
 
 @pytest.mark.anyio
 async def test_pipelined_requests_are_all_answered(base):
-    async with serving(base, App()) as port:
-        def client() -> bytes:
-            with connect(port) as sock:
-                sock.sendall(REQUEST * 3)  # three heads in one write
-                data = b""
-                while data.count(b"\r\n\r\nok") < 3:
-                    chunk = sock.recv(65536)  # bounded by the socket's timeout
-                    assert chunk, f"closed after {data!r}"
-                    data += chunk
-                return data
+    def client(sock: socket.socket) -> bytes:
+        sock.sendall(REQUEST * 3)  # three heads in one write
+        return read_responses(sock, 3)
 
-        assert (await anyio.to_thread.run_sync(client)).count(b"HTTP/1.1 200") == 3
+    assert (await exchange(base, client)).count(b"HTTP/1.1 200") == 3
 
 
 @pytest.mark.anyio
@@ -162,9 +162,9 @@ async def test_a_request_under_way_is_never_cut(base):
             with connect(port) as sock:
                 sock.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
                 sent.set()
-                first = read_response(sock)
+                first = read_responses(sock)
                 sock.sendall(REQUEST)  # and the connection still serves another
-                return first + read_response(sock)
+                return first + read_responses(sock)
 
         def deadline_passed() -> None:
             # Opened after the held request's connection: once this one is closed for
