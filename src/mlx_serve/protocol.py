@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 # Sending them (with a non-default value) is a 400, never silently ignored.
 # (Every field of the openai SDK's chat, completion and Responses create parameters, as of
 # its version 3.63, is declared by a request model or listed here, below or in
-# ``protocol_responses``.)
+# ``protocol_responses``: tests/test_field_policy.py checks it.)
 UNSUPPORTED_FIELDS = frozenset({
     "audio", "modalities", "prediction", "web_search_options",
     "functions", "function_call", "verbosity", "moderation",
