@@ -49,10 +49,11 @@ def read_raw(text: str, at: int, end: str, started: bool) -> tuple[str, int, boo
 
 class CallScanner:
     """Subclasses say where the head is (``_find_head``), what a found head opens
-    (``_opened``: the first argument text, or None to give up) and how the arguments
-    read after it (``_scan``)."""
+    (``_opened``: the first argument text, or None to give up; by default the head's
+    first group is the name and an object of arguments opens at its end) and how the
+    arguments read after it (``_scan``, from ``_at``)."""
 
-    __slots__ = ("text", "name", "call_id", "ended", "_gave_up")
+    __slots__ = ("text", "name", "call_id", "ended", "_gave_up", "_at")
 
     def __init__(self) -> None:
         self.text = ""
@@ -60,6 +61,7 @@ class CallScanner:
         self.call_id: str | None = None  # the model's own id for the call, if it writes one
         self.ended = False  # the arguments are complete
         self._gave_up = False
+        self._at = 0  # where reading the arguments goes on in ``text``
 
     def feed(self, piece: str) -> str:
         """Take more of the call's text; return the argument text it adds."""
@@ -91,7 +93,9 @@ class CallScanner:
         raise NotImplementedError
 
     def _opened(self, head: re.Match[str]) -> str | None:
-        raise NotImplementedError
+        self.name = head.group(1)
+        self._at = head.end()
+        return "{"
 
     def _scan(self) -> str:
         raise NotImplementedError

@@ -109,11 +109,10 @@ class JsonCallScanner(CallScanner):
     """One JSON call as it is written: its name once complete, then the text of its
     arguments up to the end of their value (nesting followed outside strings)."""
 
-    __slots__ = ("_at", "_depth", "_in_string", "_escaped")
+    __slots__ = ("_depth", "_in_string", "_escaped")
 
     def __init__(self) -> None:
         super().__init__()
-        self._at = 0  # the next character of ``text`` to read as arguments
         self._depth = 0
         self._in_string = self._escaped = False
 
@@ -177,11 +176,10 @@ class KimiCallScanner(CallScanner):
     up to ``<|tool_call_end|>``, which go out as written (spaces around them left out).
     The call's id is the model's ``functions.NAME:N``, as the parser has it."""
 
-    __slots__ = ("_at", "_sent")
+    __slots__ = ("_sent",)
 
     def __init__(self) -> None:
         super().__init__()
-        self._at = 0
         self._sent = False  # some argument text has gone out
 
     def _find_head(self) -> re.Match[str] | None:

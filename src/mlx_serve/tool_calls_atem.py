@@ -40,11 +40,6 @@ class AtemCallScanner(TaggedCallScanner):
     def _find_head(self) -> re.Match[str] | None:
         return _HEAD.search(self.text)
 
-    def _opened(self, head: re.Match[str]) -> str | None:
-        self.name = head.group(1)
-        self._at = head.end()
-        return "{"
-
     def read_to(self) -> int:
         return self._end if self.ended else len(self.text)
 

@@ -26,11 +26,10 @@ _WORD = re.compile(r"\w*")
 
 
 class GemmaCallScanner(CallScanner):
-    __slots__ = ("_at", "_depth", "_in_string", "_key_may_follow")
+    __slots__ = ("_depth", "_in_string", "_key_may_follow")
 
     def __init__(self) -> None:
         super().__init__()
-        self._at = 0
         self._depth = 0
         self._in_string = False
         self._key_may_follow = False  # the last character read was "{" or ","
@@ -39,9 +38,8 @@ class GemmaCallScanner(CallScanner):
         return _HEAD.match(self.text)
 
     def _opened(self, head: re.Match[str]) -> str | None:
-        self.name = head.group(1)
-        self._at, self._depth, self._key_may_follow = head.end(), 1, True
-        return "{"
+        self._depth, self._key_may_follow = 1, True
+        return super()._opened(head)
 
     def read_to(self) -> int:
         return self._at
@@ -121,21 +119,15 @@ class FunctionGemmaCallScanner(CallScanner):
     ends at "}". (The parser ends it at the first "}" even inside a string, and then
     fails on the unclosed string; here such a string is kept whole.)"""
 
-    __slots__ = ("_at", "_state", "_keys")
+    __slots__ = ("_state", "_keys")
 
     def __init__(self) -> None:
         super().__init__()
-        self._at = 0
         self._state = "key"  # key | value | string | after_string
         self._keys = 0
 
     def _find_head(self) -> re.Match[str] | None:
         return FUNCTION_GEMMA_HEAD.search(self.text)
-
-    def _opened(self, head: re.Match[str]) -> str | None:
-        self.name = head.group(1)
-        self._at = head.end()
-        return "{"
 
     def _scan(self) -> str:
         out: list[str] = []

@@ -33,13 +33,12 @@ _OCTAL = "01234567"
 
 
 class PythonicCallScanner(CallScanner):
-    __slots__ = ("_at", "_rules", "_state", "_quote", "_keys", "_value")
+    __slots__ = ("_rules", "_state", "_quote", "_keys", "_value")
 
     def __init__(self, parser: Any) -> None:
         super().__init__()
         # The parser's own reading of JSON's literals inside Python ones.
         self._rules = sys.modules.get(getattr(parser, "__module__", ""))
-        self._at = 0
         self._state = "key"  # key | value | string | after_string
         self._quote = ""  # the open string's quote
         self._keys = 0  # keyword arguments begun
@@ -47,11 +46,6 @@ class PythonicCallScanner(CallScanner):
 
     def _find_head(self) -> re.Match[str] | None:
         return _HEAD.match(self.text)
-
-    def _opened(self, head: re.Match[str]) -> str | None:
-        self.name = head.group(1)
-        self._at = head.end()
-        return "{"
 
     def read_to(self) -> int:
         return self._at

@@ -52,7 +52,7 @@ class TaggedCallScanner(CallScanner):
 
     CLOSE = ""
     SPAN_CLOSES_CALL = False  # the call may have no end tag: its span's end closes it
-    __slots__ = ("_rules", "_tools", "_at", "_param", "_value_at", "_close_from",
+    __slots__ = ("_rules", "_tools", "_param", "_value_at", "_close_from",
                  "_opened_string", "_params")
 
     def __init__(self, parser: Any, tools: list[dict] | None) -> None:
@@ -60,7 +60,6 @@ class TaggedCallScanner(CallScanner):
         super().__init__()
         self._rules = sys.modules[parser.__module__]
         self._tools = tools
-        self._at = 0  # where the next tag is looked for
         self._param: str | None = None  # the parameter whose value is being read
         self._value_at = 0  # where the part of that value not sent yet starts
         self._close_from = 0  # where its closing tag is looked for
@@ -170,10 +169,8 @@ class XmlCallScanner(TaggedCallScanner):
         return _FUNCTION.search(self.text)
 
     def _opened(self, head: re.Match[str]) -> str | None:
-        self.name = head.group(1)
-        self._config = self._rules._get_arguments_config(self.name, self._tools)
-        self._at = head.end()
-        return "{"
+        self._config = self._rules._get_arguments_config(head.group(1), self._tools)
+        return super()._opened(head)
 
     def _next_parameter(self) -> tuple[str, int] | None:
         tag = _PARAMETER.match(self.text, self._at)
