@@ -126,6 +126,13 @@ class RefusalPart(BaseModel):
         return self.refusal
 
 
+def parts_text(content: str | list[Any] | None) -> str:
+    """Content as its text: a string as it is, a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content or ())
+
+
 def text_parts_only(content: Any, text_types: tuple[str, ...]) -> Any:
     """Refuse a content part that is not text (an image, audio, a file) by its type: the
     models served here read text only. Otherwise the union's error would say the content
@@ -170,9 +177,7 @@ class ChatMessage(BaseModel):
         return text_parts_only(content, ("text", "refusal"))
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+        return parts_text(self.content)
 
 
 class FunctionDefinition(BaseModel):

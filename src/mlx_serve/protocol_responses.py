@@ -8,7 +8,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from mlx_serve.protocol import AllowedTools, ReasoningEffort, RefusalPart, text_parts_only
+from mlx_serve.protocol import (
+    AllowedTools,
+    ReasoningEffort,
+    RefusalPart,
+    parts_text,
+    text_parts_only,
+)
 
 
 class InputText(BaseModel):
@@ -57,9 +63,7 @@ class FunctionCallOutputItem(BaseModel):
         return text_parts_only(output, ("input_text",))
 
     def text(self) -> str:
-        if isinstance(self.output, list):
-            return "".join(part.text for part in self.output)
-        return self.output
+        return parts_text(self.output)
 
 
 class ReasoningPart(BaseModel):

@@ -51,12 +51,14 @@ def _unsupported(param: str, why: str = "is not supported by this server") -> No
 
 # Unsupported fields' values that ask for what the server does anyway: OpenAI's default.
 _DEFAULTS = {"verbosity": "medium"}
+# Unsupported fields that an empty value turns on ({} is web search with its defaults).
+_ON_WHEN_EMPTY = frozenset({"web_search_options"})
 
 
 def _is_off(name: str, value: Any) -> bool:
-    if name == "web_search_options":  # {} turns web search on, with its defaults
+    if value is None or name in _ON_WHEN_EMPTY:
         return value is None
-    return value in (None, False, [], {}) or _DEFAULTS.get(name, None) == value
+    return value in (False, [], {}) or _DEFAULTS.get(name) == value
 
 
 def check_extra_fields(extra: dict[str, Any] | None, unsupported: frozenset[str],

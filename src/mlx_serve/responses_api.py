@@ -33,6 +33,7 @@ from mlx_serve.protocol import (
     ResponseFormat,
     Tool,
     ToolCall,
+    parts_text,
 )
 from mlx_serve.protocol_responses import (
     OUTPUT_LOGPROBS,
@@ -113,8 +114,7 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
         elif isinstance(item, ChatMessage):
             messages.append(item)
         else:
-            text = item.content if isinstance(item.content, str) else \
-                "".join(part.text for part in item.content)
+            text = parts_text(item.content)
             if (item.role == "assistant" and last is not None and last.content is None
                     and not last.tool_calls):  # the text after its reasoning
                 last.content = text
