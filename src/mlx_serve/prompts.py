@@ -14,6 +14,7 @@ from mlx_serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
 )
+from mlx_serve.strict_calls import call_schema
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,7 @@ def forced_call_schema(body: ChatCompletionRequest, tokenizer: Any) -> dict | No
         if not tools:
             raise RequestError(f"'tool_choice' names '{wanted}', which is not in 'tools'",
                                param="tool_choice")
-    calls = [{"type": "object", "additionalProperties": False,
-              "required": ["name", "arguments"],
-              "properties": {"name": {"const": f.name},
-                             "arguments": f.parameters or {"type": "object"}}}
-             for f in tools]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return call_schema(tools, enforce_all=True)
 
 
 def template_kwargs(body: ChatCompletionRequest, tokenizer: Any) -> dict[str, Any]:

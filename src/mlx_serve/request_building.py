@@ -26,6 +26,7 @@ from mlx_serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from mlx_serve.strict_calls import strict_calls_format
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -158,11 +159,13 @@ def choices(request_id: str, prompt: list[int], params: SamplingParams, n: int, 
 
 
 async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner: Any,
-                         forced_call: dict | None = None) -> object | None:
+                         forced_call: dict | None = None, strict_calls: dict | None = None
+                         ) -> object | None:
     """The one constraint on a request's reply, compiled: a forced tool call's schema,
     ``response_format`` or vLLM's structured-output fields. Two at once are a 400, and
     so is one with ``ignore_eos`` or ``min_tokens`` (a format ends its reply with an
-    end-of-sequence token, when its grammar does)."""
+    end-of-sequence token, when its grammar does). Without any of them, strict functions'
+    calls (``strict_calls``) are the constraint."""
     asked: list[tuple[str, dict]] = []
     if forced_call is not None:
         asked.append(("tool_choice", {"type": "json_schema", "json_schema": {
@@ -173,7 +176,7 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
     if (guided := guided_format(body)) is not None:
         asked.append((guided["param"], guided))
     if not asked:
-        return None
+        return await _compile_strict_calls(body, runner, strict_calls)
     if len(asked) > 1:
         raise RequestError(f"'{asked[0][0]}' and '{asked[1][0]}' cannot be combined",
                            param=asked[1][0])
@@ -182,6 +185,19 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
         raise RequestError(f"'{param}' cannot be combined with a response format or a "
                            "forced tool call", param=param)
     return await anyio.to_thread.run_sync(runner.compile_response_format, asked[0][1])
+
+
+async def _compile_strict_calls(body: ChatCompletionRequest | CompletionRequest,
+                                runner: Any, strict_calls: dict | None) -> object | None:
+    """Strict functions' calls, enforced in a free reply. Its grammar never ends the
+    reply itself, so ``min_tokens`` is fine; ``ignore_eos`` would write past the end of
+    sequence, which the grammar does not allow."""
+    if strict_calls is None:
+        return None
+    if body.ignore_eos:
+        raise RequestError("'ignore_eos' cannot be combined with a strict function's "
+                           "calls", param="ignore_eos")
+    return await anyio.to_thread.run_sync(runner.compile_response_format, strict_calls)
 
 
 async def build_chat_request(
@@ -193,7 +209,10 @@ async def build_chat_request(
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer,
                                       runner.encode, body)
-    response_format = await compile_format(body, runner, rendered.forced_call)
+    strict_calls = (strict_calls_format([t.function for t in body.tools or ()],
+                                        runner.tokenizer)
+                    if rendered.tools is not None and rendered.forced_call is None else None)
+    response_format = await compile_format(body, runner, rendered.forced_call, strict_calls)
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
                              len(rendered.tokens), runner, settings)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -1,0 +1,138 @@
+"""A function's ``strict: true`` with ``tool_choice`` "auto": text stays free, and a call
+the model chooses to write follows the function's schema (a grammar from the tool-call
+marker on, as llama.cpp's lazy grammars)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_serve.protocol import FunctionDefinition
+from mlx_serve.runner.structured import compile_response_format
+from mlx_serve.strict_calls import strict_calls_format
+from tests.test_agentic import BOUNDED_TOOLS, chat
+
+CITIES = ["Paris", "Rome", "Oslo"]
+STRICT = FunctionDefinition(name="get_weather", strict=True, parameters={
+    "type": "object", "properties": {"city": {"enum": CITIES}}, "required": ["city"],
+    "additionalProperties": False})
+LOOSE = FunctionDefinition(name="get_time", parameters={"type": "object"})
+
+
+@pytest.fixture(scope="module")
+def strict_format(agentic_tokenizer):
+    fmt = strict_calls_format([STRICT, LOOSE], agentic_tokenizer)
+    assert fmt is not None
+    return compile_response_format(agentic_tokenizer, fmt, len(agentic_tokenizer._tokenizer))
+
+
+def reply_tokens(tokenizer, *pieces: str | int) -> list[int]:
+    """Text pieces encoded, ints as they are (special tokens)."""
+    out: list[int] = []
+    for piece in pieces:
+        out += [piece] if isinstance(piece, int) else tokenizer.encode(
+            piece, add_special_tokens=False)
+    return out
+
+
+def markers(tokenizer) -> tuple[int, int]:
+    return tuple(tokenizer.encode(m, add_special_tokens=False)[0]
+                 for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
+
+
+def test_no_strict_function_means_no_grammar(agentic_tokenizer, tiny_model_dir):
+    from mlx_lm import load
+
+    assert strict_calls_format([LOOSE], agentic_tokenizer) is None
+    assert strict_calls_format([], agentic_tokenizer) is None
+    # A model without tool-call markers (its calls could not be told apart): none either.
+    assert strict_calls_format([STRICT], load(str(tiny_model_dir))[1]) is None
+
+
+def test_text_and_a_valid_call_pass(strict_format, agentic_tokenizer):
+    start, end = markers(agentic_tokenizer)
+    think_end = agentic_tokenizer.encode(agentic_tokenizer.think_end,
+                                         add_special_tokens=False)[0]
+    valid = reply_tokens(
+        agentic_tokenizer, "Let me think", think_end, "I'll look it up.", start,
+        '\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n', end,
+        "Then the time:", start, '\n{"name": "get_time", "arguments": {"zone": 1}}\n', end)
+    strict_format.make_processor_at(0, valid)  # raises if a token breaks the grammar
+
+
+@pytest.mark.parametrize("call", [
+    '{"name": "get_weather", "arguments": {"city": "Lyon"}}',  # not in its enum
+    '{"name": "get_weather", "arguments": {"town": "Oslo"}}',  # not its parameter
+    '{"name": "get_news", "arguments": {}}',  # not an offered function
+    '{"name": "get_time", "arguments": []}',  # a loose function's arguments: an object
+    'get_weather(city="Oslo")',  # not JSON
+])
+def test_a_call_off_its_schema_is_refused(strict_format, agentic_tokenizer, call):
+    start, _ = markers(agentic_tokenizer)
+    with pytest.raises(RuntimeError, match="break the response format"):
+        strict_format.make_processor_at(0, reply_tokens(agentic_tokenizer, "Ok.", start,
+                                                         "\n" + call))
+
+
+STRICT_TOOLS = [{"type": "function", "function": STRICT.model_dump(exclude_none=True)}]
+
+
+def biased_call(server, tools, seed: int) -> dict:
+    """A reply pushed into a tool call at once: the random model's marker token is biased
+    up, so the model calls, and what follows the marker shows whether it is constrained."""
+    start = 514  # the agentic tiny model's <tool_call> (tests/test_strict_tool_calls.py)
+    reply = chat(server, tools=tools, max_tokens=60, temperature=1.0, seed=seed,
+                 logit_bias={str(start): 100}, parallel_tool_calls=False)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def test_the_marker_id_is_the_agentic_models(agentic_tokenizer):
+    assert markers(agentic_tokenizer)[0] == 514
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_strict_functions_call_follows_its_schema(agentic_server, seed):
+    choice = biased_call(agentic_server, STRICT_TOOLS, seed)
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in CITIES
+
+
+def test_without_strict_the_same_calls_are_not_constrained(agentic_server):
+    """The control: the same seeds and bias with the schema not strict give no valid call
+    (the random model writes noise after the marker), so the test above could fail."""
+    loose = [{"type": "function", "function": {**BOUNDED_TOOLS[0]["function"],
+                                               "parameters": STRICT.parameters}}]
+    for seed in (0, 1, 2):
+        choice = biased_call(agentic_server, loose, seed)
+        calls = choice["message"].get("tool_calls") or []
+        assert not any(json.loads(c["function"]["arguments"]).get("city") in CITIES
+                       for c in calls), choice
+
+
+def test_ignore_eos_with_strict_calls_is_a_400(agentic_server):
+    reply = chat(agentic_server, tools=STRICT_TOOLS, max_tokens=4, ignore_eos=True)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "ignore_eos"
+
+
+def test_a_streamed_strict_call_is_the_whole_ones(agentic_server):
+    import openai
+
+    sdk = openai.OpenAI(base_url=agentic_server.base_url + "/v1", api_key="unused",
+                        timeout=30)
+    ask = dict(model=sdk.models.list().data[0].id, tools=STRICT_TOOLS, max_tokens=60,
+               temperature=1.0, seed=5, parallel_tool_calls=False,
+               messages=[{"role": "user", "content": "What is the weather?"}],
+               extra_body={"logit_bias": {"514": 100}})
+    whole = sdk.chat.completions.create(**ask)
+    (call,) = whole.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments)["city"] in CITIES
+    chunks = list(sdk.chat.completions.create(**ask, stream=True))
+    streamed = "".join(d.function.arguments or "" for c in chunks if c.choices
+                       for d in c.choices[0].delta.tool_calls or [])
+    assert streamed == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
