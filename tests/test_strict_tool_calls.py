@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mlx_serve.protocol import FunctionDefinition
-from mlx_serve.runner.structured import compile_response_format
+from mlx_serve.runner.formats import compile_format
 from mlx_serve.strict_calls import strict_calls_format
 from tests.test_agentic import BOUNDED_TOOLS, chat
 
@@ -24,7 +24,7 @@ LOOSE = FunctionDefinition(name="get_time", parameters={"type": "object"})
 def strict_format(agentic_tokenizer):
     fmt = strict_calls_format([STRICT, LOOSE], agentic_tokenizer)
     assert fmt is not None
-    return compile_response_format(agentic_tokenizer, fmt, len(agentic_tokenizer._tokenizer))
+    return compile_format(agentic_tokenizer, fmt, len(agentic_tokenizer._tokenizer))
 
 
 def reply_tokens(tokenizer, *pieces: str | int) -> list[int]:
@@ -61,6 +61,24 @@ def test_text_and_a_valid_call_pass(strict_format, agentic_tokenizer):
     strict_format.make_processor_at(0, valid)  # raises if a token breaks the grammar
 
 
+def test_the_grammar_masks_only_inside_a_call(strict_format, agentic_tokenizer):
+    """Free text goes unmasked (no grammar work a token); the marker opens the mask, the
+    end marker closes it."""
+    import mlx.core as mx
+
+    start, end = markers(agentic_tokenizer)
+    logits = mx.zeros((1, len(agentic_tokenizer._tokenizer)))
+    processor = strict_format.make_processor(0)
+    said = reply_tokens(agentic_tokenizer, "Sure.")
+    assert mx.array_equal(processor(mx.array(said), logits), logits)
+    said += [start]
+    masked = processor(mx.array(said), logits)
+    assert mx.isinf(masked).any().item() and not mx.isinf(masked).all().item()
+    said += reply_tokens(agentic_tokenizer,
+                         '\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n') + [end]
+    assert mx.array_equal(processor(mx.array(said), logits), logits)
+
+
 @pytest.mark.parametrize("call", [
     '{"name": "get_weather", "arguments": {"city": "Lyon"}}',  # not in its enum
     '{"name": "get_weather", "arguments": {"town": "Oslo"}}',  # not its parameter
@@ -70,7 +88,7 @@ def test_text_and_a_valid_call_pass(strict_format, agentic_tokenizer):
 ])
 def test_a_call_off_its_schema_is_refused(strict_format, agentic_tokenizer, call):
     start, _ = markers(agentic_tokenizer)
-    with pytest.raises(RuntimeError, match="break the response format"):
+    with pytest.raises(RuntimeError, match="breaks a strict tool call"):
         strict_format.make_processor_at(0, reply_tokens(agentic_tokenizer, "Ok.", start,
                                                          "\n" + call))
 

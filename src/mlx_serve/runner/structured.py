@@ -73,10 +73,14 @@ class CompiledFormat:
         For a request replayed into a fresh batch as prompt + generated: its first call sees
         that whole context and consumes nothing new.
         """
-        matcher = self._template.deep_copy()
+        matcher = self.fresh_matcher()
         if generated and not matcher.consume_tokens(list(generated)):
             raise RuntimeError(f"generated tokens break the response format: {_error(matcher)}")
         return _Processor(self, matcher, prompt_len, len(generated))
+
+    def fresh_matcher(self) -> llguidance.LLMatcher:
+        """A matcher at the grammar's start (the template is never advanced)."""
+        return self._template.deep_copy()
 
     def is_final_eos(self, matcher: llguidance.LLMatcher, token: int) -> bool:
         return token in self._eos_ids and matcher.is_accepting()
