@@ -176,7 +176,7 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
     if (guided := guided_format(body)) is not None:
         asked.append((guided["param"], guided))
     if not asked:
-        return await _compile_strict_calls(body, runner, strict_calls)
+        return await _compile_strict_calls(runner, strict_calls)
     if len(asked) > 1:
         raise RequestError(f"'{asked[0][0]}' and '{asked[1][0]}' cannot be combined",
                            param=asked[1][0])
@@ -187,16 +187,11 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
     return await anyio.to_thread.run_sync(runner.compile_response_format, asked[0][1])
 
 
-async def _compile_strict_calls(body: ChatCompletionRequest | CompletionRequest,
-                                runner: Any, strict_calls: dict | None) -> object | None:
-    """Strict functions' calls, enforced in a free reply. Its grammar never ends the
-    reply itself, so ``min_tokens`` is fine; ``ignore_eos`` would write past the end of
-    sequence, which the grammar does not allow."""
+async def _compile_strict_calls(runner: Any, strict_calls: dict | None) -> object | None:
+    """Strict functions' calls, enforced from the tool-call marker on. Free text is not
+    constrained, so ``min_tokens`` and ``ignore_eos`` work beside it."""
     if strict_calls is None:
         return None
-    if body.ignore_eos:
-        raise RequestError("'ignore_eos' cannot be combined with a strict function's "
-                           "calls", param="ignore_eos")
     return await anyio.to_thread.run_sync(runner.compile_response_format, strict_calls)
 
 
