@@ -158,3 +158,17 @@ def test_a_streamed_strict_call_is_the_whole_ones(agentic_server):
                        for d in c.choices[0].delta.tool_calls or [])
     assert streamed == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_strict_schema_that_cannot_be_enforced_is_a_400_naming_why(agentic_server):
+    lookahead = [{"type": "function", "function": {
+        "name": "get_weather", "strict": True, "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "pattern": "(?=P)."}}}}}]
+    reply = chat(agentic_server, tools=lookahead)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "tools"
+    assert "cannot be enforced" in error["message"] and "look-around" in error["message"]
+    # The same schema without strict is served: its arguments are not held to it.
+    lookahead[0]["function"]["strict"] = False
+    assert chat(agentic_server, tools=lookahead).status_code == 200

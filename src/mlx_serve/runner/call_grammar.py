@@ -10,13 +10,18 @@ trigger token.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import llguidance
 import mlx.core as mx
 
-from mlx_serve.runner.structured import CompiledFormat, compile_response_format
+from mlx_serve.runner.structured import (
+    CompiledFormat,
+    StructuredOutputError,
+    compile_response_format,
+)
 
 # Compact JSON with the separators these models write (as for response_format): flexible
 # whitespace would let a small model write newlines for ever inside a call.
@@ -35,7 +40,12 @@ def compile_lazy_calls(tokenizer: Any, spec: dict, vocab_size: int) -> LazyCallF
         "GAP: /[ \\t\\r\\n]{0,4}/",  # templates put a newline around the JSON
         f"body: %json {json.dumps(schema)}",
     ])
-    call = compile_response_format(tokenizer, {"type": "lark", "lark": grammar}, vocab_size)
+    try:
+        call = compile_response_format(tokenizer, {"type": "lark", "lark": grammar}, vocab_size)
+    except StructuredOutputError as exc:  # name the schema, not the grammar's line
+        reason = re.sub(r"^invalid grammar: at \d+\(\d+\): ", "", str(exc))
+        raise StructuredOutputError(f"a strict function's parameters cannot be enforced: "
+                                    f"{reason}") from None
     return LazyCallFormat(call, start, end)
 
 

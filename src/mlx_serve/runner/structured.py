@@ -248,5 +248,8 @@ def _tokenizer_entry(tokenizer_wrapper: Any, vocab_size: int) -> _TokenizerEntry
 
 
 def _error(matcher: llguidance.LLMatcher) -> str:
-    # llguidance appends its parser state dump after the first line; keep the message.
-    return matcher.get_error().split("\n", 1)[0]
+    # llguidance appends its parser state dump after the first line; keep the message,
+    # and a regex's reason ("error: look-around ... is not supported"), which follows it.
+    first, *rest = matcher.get_error().split("\n")
+    reason = next((line.strip() for line in rest if line.strip().startswith("error: ")), "")
+    return f"{first} {reason.removeprefix('error: ')}" if reason else first
