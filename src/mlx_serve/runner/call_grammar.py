@@ -18,14 +18,11 @@ import llguidance
 import mlx.core as mx
 
 from mlx_serve.runner.structured import (
+    JSON_OPTIONS,
     CompiledFormat,
     StructuredOutputError,
     compile_response_format,
 )
-
-# Compact JSON with the separators these models write (as for response_format): flexible
-# whitespace would let a small model write newlines for ever inside a call.
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def compile_lazy_calls(tokenizer: Any, spec: dict, vocab_size: int) -> LazyCallFormat:
@@ -33,7 +30,8 @@ def compile_lazy_calls(tokenizer: Any, spec: dict, vocab_size: int) -> LazyCallF
     markers' token ids and the JSON schema of one call. Raises StructuredOutputError for
     a schema the grammar library cannot enforce."""
     start, end = int(spec["start"]), int(spec["end"])
-    schema = {"x-guidance": _COMPACT, **spec["schema"]}
+    # The compact JSON of response_format: free whitespace lets a small model loop on it.
+    schema = {"x-guidance": JSON_OPTIONS, **spec["schema"]}
     grammar = "\n".join([
         "%llguidance {}",
         f"start: GAP body GAP <[{end}]>",
@@ -85,6 +83,9 @@ class _LazyCallProcessor:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         context = tokens.reshape(-1)
         start = self._prompt_len + self._consumed
+        if context.shape[0] < start:  # as CompiledFormat's: the context must be whole
+            raise RuntimeError(f"context has {context.shape[0]} tokens, expected at least "
+                               f"prompt {self._prompt_len} + {self._consumed} generated")
         if context.shape[0] > start:
             self.read(context[start:].tolist())  # type: ignore[arg-type]
         if self._matcher is None:

@@ -37,7 +37,7 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 # Compact JSON with the separators models write by habit. Flexible whitespace would let a
 # small model emit newlines forever without ever closing the object.
-_JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 GRAMMAR_CACHE_SIZE = 64
 
@@ -163,7 +163,7 @@ def _grammar_of(response_format: dict) -> tuple[str, str]:
         return llguidance.LLMatcher.grammar_from_lark(str(response_format["lark"])), "grammar"
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            _schema_of(response_format), overrides=_JSON_OPTIONS), "JSON schema"
+            _schema_of(response_format), overrides=JSON_OPTIONS), "JSON schema"
     except (ValueError, TypeError, RuntimeError) as exc:
         if isinstance(exc, StructuredOutputError):
             raise
