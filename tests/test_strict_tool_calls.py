@@ -99,7 +99,7 @@ STRICT_TOOLS = [{"type": "function", "function": STRICT.model_dump(exclude_none=
 def biased_call(server, tools, seed: int) -> dict:
     """A reply pushed into a tool call at once: the random model's marker token is biased
     up, so the model calls, and what follows the marker shows whether it is constrained."""
-    start = 514  # the agentic tiny model's <tool_call> (tests/test_strict_tool_calls.py)
+    start = 514  # the agentic tiny model's <tool_call> (test_the_marker_id_is_the_agentic_models)
     reply = chat(server, tools=tools, max_tokens=60, temperature=1.0, seed=seed,
                  logit_bias={str(start): 100}, parallel_tool_calls=False)
     assert reply.status_code == 200, reply.text
