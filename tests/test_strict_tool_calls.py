@@ -11,7 +11,7 @@ import pytest
 from mlx_serve.protocol import FunctionDefinition
 from mlx_serve.runner.formats import compile_format
 from mlx_serve.strict_calls import strict_calls_format
-from tests.test_agentic import BOUNDED_TOOLS, chat
+from tests.test_agentic import BOUNDED_TOOLS, TIME_TOOL, allowed, chat
 
 CITIES = ["Paris", "Rome", "Oslo"]
 STRICT = FunctionDefinition(name="get_weather", strict=True, parameters={
@@ -96,12 +96,12 @@ def test_a_call_off_its_schema_is_refused(strict_format, agentic_tokenizer, call
 STRICT_TOOLS = [{"type": "function", "function": STRICT.model_dump(exclude_none=True)}]
 
 
-def biased_call(server, tools, seed: int) -> dict:
+def biased_call(server, tools, seed: int, **body) -> dict:
     """A reply pushed into a tool call at once: the random model's marker token is biased
     up, so the model calls, and what follows the marker shows whether it is constrained."""
     start = 514  # the agentic tiny model's <tool_call> (test_the_marker_id_is_the_agentic_models)
     reply = chat(server, tools=tools, max_tokens=60, temperature=1.0, seed=seed,
-                 logit_bias={str(start): 100}, parallel_tool_calls=False)
+                 logit_bias={str(start): 100}, parallel_tool_calls=False, **body)
     assert reply.status_code == 200, reply.text
     return reply.json()["choices"][0]
 
@@ -117,6 +117,16 @@ def test_a_strict_functions_call_follows_its_schema(agentic_server, seed):
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"])["city"] in CITIES
+
+
+def test_allowed_tools_auto_keeps_strict_calls_to_the_allowed(agentic_server):
+    """Only the allowed functions are offered, so a call may only name one of them."""
+    for seed in (0, 1):
+        choice = biased_call(agentic_server, STRICT_TOOLS + [TIME_TOOL], seed,
+                             tool_choice=allowed("auto", "get_weather"))
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"])["city"] in CITIES
 
 
 def test_without_strict_the_same_calls_are_not_constrained(agentic_server):
