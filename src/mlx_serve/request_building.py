@@ -26,7 +26,7 @@ from mlx_serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from mlx_serve.strict_calls import strict_calls_format
+from mlx_serve.strict_calls import calls_format, json_calls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -159,13 +159,14 @@ def choices(request_id: str, prompt: list[int], params: SamplingParams, n: int, 
 
 
 async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner: Any,
-                         forced_call: dict | None = None, strict_calls: dict | None = None
+                         forced_call: dict | None = None, calls: dict | None = None
                          ) -> object | None:
     """The one constraint on a request's reply, compiled: a forced tool call's schema,
     ``response_format`` or vLLM's structured-output fields. Two at once are a 400, and
     so is one with ``ignore_eos`` or ``min_tokens`` (a format ends its reply with an
-    end-of-sequence token, when its grammar does). Without any of them, strict functions'
-    calls (``strict_calls``) are the constraint."""
+    end-of-sequence token, when its grammar does). ``calls`` (``strict_calls.json_calls``)
+    keeps tool calls possible beside a JSON ``response_format`` and holds strict
+    functions' calls to their schemas."""
     asked: list[tuple[str, dict]] = []
     if forced_call is not None:
         asked.append(("tool_choice", {"type": "json_schema", "json_schema": {
@@ -175,8 +176,8 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
         asked.append(("response_format", fmt.model_dump(exclude_none=True)))
     if (guided := guided_format(body)) is not None:
         asked.append((guided["param"], guided))
-    if not asked:
-        return await _compile_strict_calls(runner, strict_calls)
+    if not asked:  # strict calls only: free text is not constrained, so any EOS rule works
+        return await _compiled(runner, calls_format(calls, None))
     if len(asked) > 1:
         raise RequestError(f"'{asked[0][0]}' and '{asked[1][0]}' cannot be combined",
                            param=asked[1][0])
@@ -184,15 +185,15 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
         param = "ignore_eos" if body.ignore_eos else "min_tokens"
         raise RequestError(f"'{param}' cannot be combined with a response format or a "
                            "forced tool call", param=param)
-    return await anyio.to_thread.run_sync(runner.compile_response_format, asked[0][1])
+    name, spec = asked[0]
+    return await _compiled(runner, calls_format(calls, spec) if name == "response_format"
+                           else spec)
 
 
-async def _compile_strict_calls(runner: Any, strict_calls: dict | None) -> object | None:
-    """Strict functions' calls, enforced from the tool-call marker on. Free text is not
-    constrained, so ``min_tokens`` and ``ignore_eos`` work beside it."""
-    if strict_calls is None:
+async def _compiled(runner: Any, spec: dict | None) -> object | None:
+    if spec is None:
         return None
-    return await anyio.to_thread.run_sync(runner.compile_response_format, strict_calls)
+    return await anyio.to_thread.run_sync(runner.compile_response_format, spec)
 
 
 async def build_chat_request(
@@ -204,10 +205,9 @@ async def build_chat_request(
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer,
                                       runner.encode, body)
-    strict_calls = (strict_calls_format([t.function for t in body.tools or ()],
-                                        runner.tokenizer)
-                    if rendered.tools is not None and rendered.forced_call is None else None)
-    response_format = await compile_format(body, runner, rendered.forced_call, strict_calls)
+    calls = (json_calls([t.function for t in body.tools or ()], runner.tokenizer)
+             if rendered.tools is not None and rendered.forced_call is None else None)
+    response_format = await compile_format(body, runner, rendered.forced_call, calls)
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
                              len(rendered.tokens), runner, settings)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -35,19 +35,35 @@ def call_schema(functions: Sequence[FunctionDefinition], enforce_all: bool) -> d
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def strict_calls_format(functions: Sequence[FunctionDefinition] | None, tokenizer: Any
-                        ) -> dict | None:
-    """The format that enforces strict functions' calls in a free reply (for the runner's
-    ``compile_response_format``: the markers' token ids and one call's schema), or None
-    when no function is strict or the model's calls are not JSON between single-token
-    markers."""
-    if not functions or not any(f.strict for f in functions):
+def json_calls(functions: Sequence[FunctionDefinition] | None, tokenizer: Any
+               ) -> dict | None:
+    """How this model's calls to ``functions`` can be held to a grammar: the markers'
+    token ids, one call's schema, and whether any function is strict; None when no
+    function is offered or the model's calls are not JSON between one-token markers."""
+    if not functions:
         return None
     markers = _marker_ids(tokenizer)
     if markers is None:
         return None
-    return {"type": "tool_calls", "start": markers[0], "end": markers[1],
-            "schema": call_schema(functions, enforce_all=False), "param": "tools"}
+    return {"start": markers[0], "end": markers[1],
+            "schema": call_schema(functions, enforce_all=False),
+            "strict": any(f.strict for f in functions)}
+
+
+def calls_format(calls: dict | None, answer: dict | None) -> dict | None:
+    """The format for the runner's ``compile_response_format`` that a reply with these
+    calls needs: with a JSON ``answer`` (response_format), the answer or calls, each
+    held to its schema; without one, strict functions' calls (None if none is strict).
+    Without calls: the answer alone."""
+    if calls is None:
+        return answer
+    markers = {"start": calls["start"], "end": calls["end"], "schema": calls["schema"]}
+    if answer is None:
+        return {"type": "tool_calls", **markers, "param": "tools"} if calls["strict"] else None
+    if answer.get("type") not in ("json_schema", "json_object"):
+        return answer
+    return {"type": "answer_or_calls", "answer": answer, **markers,
+            "param": answer.get("param", "response_format")}
 
 
 def _marker_ids(tokenizer: Any) -> tuple[int, int] | None:

@@ -22,6 +22,7 @@ from mlx_serve.runner.structured import (
     CompiledFormat,
     StructuredOutputError,
     compile_response_format,
+    schema_of,
 )
 
 
@@ -30,21 +31,40 @@ def compile_lazy_calls(tokenizer: Any, spec: dict, vocab_size: int) -> LazyCallF
     markers' token ids and the JSON schema of one call. Raises StructuredOutputError for
     a schema the grammar library cannot enforce."""
     start, end = int(spec["start"]), int(spec["end"])
-    # The compact JSON of response_format: free whitespace lets a small model loop on it.
-    schema = {"x-guidance": JSON_OPTIONS, **spec["schema"]}
-    grammar = "\n".join([
-        "%llguidance {}",
+    call = _compile_lark(tokenizer, vocab_size, "a strict function's parameters", [
         f"start: GAP body GAP <[{end}]>",
-        "GAP: /[ \\t\\r\\n]{0,4}/",  # templates put a newline around the JSON
-        f"body: %json {json.dumps(schema)}",
-    ])
-    try:
-        call = compile_response_format(tokenizer, {"type": "lark", "lark": grammar}, vocab_size)
-    except StructuredOutputError as exc:  # name the schema, not the grammar's line
-        reason = re.sub(r"^invalid grammar: at \d+\(\d+\): ", "", str(exc))
-        raise StructuredOutputError(f"a strict function's parameters cannot be enforced: "
-                                    f"{reason}") from None
+        *_call_rules(spec["schema"])])
     return LazyCallFormat(call, start, end)
+
+
+def compile_answer_or_calls(tokenizer: Any, spec: dict, vocab_size: int) -> CompiledFormat:
+    """A JSON ``response_format`` (``spec["answer"]``) beside tool calls: the reply is the
+    answer, or one or more calls between the markers, each held to its schema (as
+    OpenAI's models may call tools before the structured answer)."""
+    answer = {"x-guidance": JSON_OPTIONS, **schema_of(spec["answer"])}
+    return _compile_lark(tokenizer, vocab_size, "the response format or the tools", [
+        "start: answer | call+",
+        f"answer: %json {json.dumps(answer)}",
+        f"call: <[{int(spec['start'])}]> GAP body GAP <[{int(spec['end'])}]> GAP",
+        *_call_rules(spec["schema"])])
+
+
+def _call_rules(call_schema: dict) -> list[str]:
+    # The compact JSON of response_format: free whitespace lets a small model loop on it.
+    schema = {"x-guidance": JSON_OPTIONS, **call_schema}
+    return ["GAP: /[ \\t\\r\\n]{0,4}/",  # templates put a newline around a call's JSON
+            f"body: %json {json.dumps(schema)}"]
+
+
+def _compile_lark(tokenizer: Any, vocab_size: int, what: str, rules: list[str]
+                  ) -> CompiledFormat:
+    grammar = "\n".join(["%llguidance {}", *rules])
+    try:
+        return compile_response_format(tokenizer, {"type": "lark", "lark": grammar},
+                                       vocab_size)
+    except StructuredOutputError as exc:  # name the schemas, not the grammar's line
+        reason = re.sub(r"^invalid grammar: at \d+\(\d+\): ", "", str(exc))
+        raise StructuredOutputError(f"{what} cannot be enforced: {reason}") from None
 
 
 class LazyCallFormat:

@@ -19,9 +19,12 @@ def compile_format(tokenizer: Any, response_format: dict, vocab_size: int) -> ob
         raise UnsupportedParameterError("structured output is not available",
                                         param=param) from None
     try:
-        if response_format.get("type") == "tool_calls":  # strict functions' calls
-            from mlx_serve.runner.call_grammar import compile_lazy_calls
-            return compile_lazy_calls(tokenizer, response_format, vocab_size)
+        kind = response_format.get("type")
+        if kind in ("tool_calls", "answer_or_calls"):  # grammars for tool calls
+            from mlx_serve.runner import call_grammar
+            compile_calls = (call_grammar.compile_lazy_calls if kind == "tool_calls"
+                             else call_grammar.compile_answer_or_calls)
+            return compile_calls(tokenizer, response_format, vocab_size)
         return compile_response_format(tokenizer, response_format, vocab_size)
     except StructuredOutputError as exc:
         raise RequestError(f"invalid {param}: {exc}", param=param) from None

@@ -163,14 +163,14 @@ def _grammar_of(response_format: dict) -> tuple[str, str]:
         return llguidance.LLMatcher.grammar_from_lark(str(response_format["lark"])), "grammar"
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            _schema_of(response_format), overrides=JSON_OPTIONS), "JSON schema"
+            schema_of(response_format), overrides=JSON_OPTIONS), "JSON schema"
     except (ValueError, TypeError, RuntimeError) as exc:
         if isinstance(exc, StructuredOutputError):
             raise
         raise StructuredOutputError(f"invalid JSON schema: {exc}") from None
 
 
-def _schema_of(response_format: dict) -> dict:
+def schema_of(response_format: dict) -> dict:
     kind = response_format.get("type")
     if kind == "json_object":
         return _ANY_OBJECT
