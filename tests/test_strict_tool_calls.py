@@ -188,36 +188,3 @@ def test_a_strict_schema_that_cannot_be_enforced_is_a_400_naming_why(agentic_ser
     lookahead[0]["function"]["strict"] = False
     assert chat(agentic_server, tools=lookahead).status_code == 200
 
-
-ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
-    "type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
-    "required": ["answer"], "additionalProperties": False}}}
-
-
-@pytest.mark.parametrize("strict", [True, False])
-def test_a_json_response_format_leaves_tools_callable(agentic_server, strict):
-    """As with OpenAI's models, a reply with a response_format may call a tool: it is the
-    answer in its schema, or calls between the markers (a strict one in its schema)."""
-    tools = [{"type": "function", "function": {**STRICT.model_dump(exclude_none=True),
-                                               "strict": strict}}]
-    for seed in (0, 1):
-        choice = biased_call(agentic_server, tools, seed, response_format=ANSWER,
-                             chat_template_kwargs={"enable_thinking": False})
-        (call,) = choice["message"]["tool_calls"]
-        assert call["function"]["name"] == "get_weather"
-        if strict:
-            assert choice["finish_reason"] == "tool_calls", choice
-            assert json.loads(call["function"]["arguments"])["city"] in CITIES
-        else:  # any object: the random model may write its strings until max_tokens
-            assert call["function"]["arguments"].startswith("{")
-
-
-def test_without_a_call_the_reply_is_the_answer_in_its_schema(agentic_server):
-    for seed in (0, 1, 2):
-        reply = chat(agentic_server, tools=STRICT_TOOLS, response_format=ANSWER,
-                     max_tokens=40, temperature=1.0, seed=seed,
-                     chat_template_kwargs={"enable_thinking": False},  # no reasoning span
-                     logit_bias={"514": -100})  # no call: the answer
-        choice = reply.json()["choices"][0]
-        assert choice["finish_reason"] == "stop", choice
-        assert json.loads(choice["message"]["content"])["answer"] in ("yes", "no")

@@ -19,7 +19,7 @@ from mlx_serve.config import Settings
 from mlx_serve.errors import ContextLengthExceededError, RequestError, UnsupportedParameterError
 from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
 from mlx_serve.guided import guided_format
-from mlx_serve.prompts import render_chat, with_allowed_tools
+from mlx_serve.prompts import Rendered, render_chat, with_allowed_tools
 from mlx_serve.protocol import (
     ACCEPTED_NO_EFFECT,
     UNSUPPORTED_FIELDS,
@@ -159,14 +159,15 @@ def choices(request_id: str, prompt: list[int], params: SamplingParams, n: int, 
 
 
 async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner: Any,
-                         forced_call: dict | None = None, calls: dict | None = None
-                         ) -> object | None:
+                         forced_call: dict | None = None, calls: dict | None = None,
+                         reasoning_end: int | None = None) -> object | None:
     """The one constraint on a request's reply, compiled: a forced tool call's schema,
     ``response_format`` or vLLM's structured-output fields. Two at once are a 400, and
     so is one with ``ignore_eos`` or ``min_tokens`` (a format ends its reply with an
     end-of-sequence token, when its grammar does). ``calls`` (``strict_calls.json_calls``)
     keeps tool calls possible beside a JSON ``response_format`` and holds strict
-    functions' calls to their schemas."""
+    functions' calls to their schemas. ``reasoning_end``: the token that ends the
+    reasoning span the reply starts in; a format applies after it."""
     asked: list[tuple[str, dict]] = []
     if forced_call is not None:
         asked.append(("tool_choice", {"type": "json_schema", "json_schema": {
@@ -186,14 +187,29 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
         raise RequestError(f"'{param}' cannot be combined with a response format or a "
                            "forced tool call", param=param)
     name, spec = asked[0]
-    return await _compiled(runner, calls_format(calls, spec) if name == "response_format"
-                           else spec)
+    if name == "response_format":
+        spec = calls_format(calls, spec) or spec
+    if reasoning_end is not None:  # the reasoning stays free, as vLLM's reasoning parsers
+        spec = {"type": "after_reasoning", "format": spec, "think_end": reasoning_end,
+                "param": spec.get("param", name)}
+    return await _compiled(runner, spec)
 
 
 async def _compiled(runner: Any, spec: dict | None) -> object | None:
     if spec is None:
         return None
     return await anyio.to_thread.run_sync(runner.compile_response_format, spec)
+
+
+def _reasoning_end(tokenizer: Any, rendered: Rendered) -> int | None:
+    """The token that ends the reasoning span a reply starts in (its template opened
+    it), if it is one token; else None."""
+    if rendered.initial_state != "reasoning":
+        return None
+    try:
+        return tokenizer.think_end_id
+    except (AttributeError, ValueError):  # no marker, or one of several tokens
+        return None
 
 
 async def build_chat_request(
@@ -207,7 +223,8 @@ async def build_chat_request(
                                       runner.encode, body)
     calls = (json_calls([t.function for t in body.tools or ()], runner.tokenizer)
              if rendered.tools is not None and rendered.forced_call is None else None)
-    response_format = await compile_format(body, runner, rendered.forced_call, calls)
+    response_format = await compile_format(body, runner, rendered.forced_call, calls,
+                                           _reasoning_end(runner.tokenizer, rendered))
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
                              len(rendered.tokens), runner, settings)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

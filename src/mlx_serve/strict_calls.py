@@ -8,6 +8,9 @@ that wakes at the model's tool-call marker, as llama.cpp's lazy tool-call gramma
 arguments following its schema (any object for the others), up to the end marker; then
 text is free again.
 
+Beside a JSON ``response_format`` the reply is the answer in its schema or such calls,
+so tools stay callable, as with OpenAI's models.
+
 This holds for models whose calls are that JSON between single-token markers (mlx-lm's
 ``json_tools`` family: Qwen, Hermes and the like). For other call formats ``strict`` is
 accepted and not enforced, as in vLLM; the README says so.

@@ -1,10 +1,13 @@
-"""Tool calls held to a grammar only while they are written (strict functions' calls).
+"""Grammars for JSON tool calls between one-token markers.
 
-The reply's text is free: no mask at all, so free text costs no grammar work a token.
-Once the model samples its tool-call start marker, a fresh matcher of the call's grammar
-(the JSON of one call, then the end marker) masks every token until the end marker;
-then the text is free again. This is llama.cpp's lazy grammar: inactive until its
-trigger token.
+Strict functions' calls (``compile_lazy_calls``): the reply's text is free, with no mask,
+so free text costs no grammar work a token. Once the model samples its tool-call start
+marker, a fresh matcher of the call's grammar (the JSON of one call, then the end
+marker) masks every token until the end marker; then the text is free again. This is
+llama.cpp's lazy grammar: inactive until its trigger token.
+
+A JSON response_format beside tools (``compile_answer_or_calls``): the reply is the
+answer in its schema, or calls between the markers.
 """
 
 from __future__ import annotations
@@ -130,3 +133,4 @@ class _LazyCallProcessor:
             self._mask = None
             if token == self._fmt.end:
                 self._matcher = None
+

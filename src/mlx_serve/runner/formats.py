@@ -20,6 +20,10 @@ def compile_format(tokenizer: Any, response_format: dict, vocab_size: int) -> ob
                                         param=param) from None
     try:
         kind = response_format.get("type")
+        if kind == "after_reasoning":  # the format once the open reasoning span ends
+            from mlx_serve.runner.after_reasoning import compile_after_reasoning
+            inner = compile_format(tokenizer, response_format["format"], vocab_size)
+            return compile_after_reasoning(inner, int(response_format["think_end"]))
         if kind in ("tool_calls", "answer_or_calls"):  # grammars for tool calls
             from mlx_serve.runner import call_grammar
             compile_calls = (call_grammar.compile_lazy_calls if kind == "tool_calls"

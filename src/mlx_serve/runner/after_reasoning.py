@@ -1,0 +1,79 @@
+"""A format that applies once the reasoning span the reply starts in has ended.
+
+A chat template may open a reasoning span (``<think>``) at the end of the prompt. A
+format enforced from the reply's first token would then put the JSON inside the
+reasoning and leave the answer empty. Here the reasoning is free (no mask), and the
+format's processor starts at the token after the span's end marker, as vLLM's structured
+outputs wait for its reasoning parser's end of reasoning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+
+def compile_after_reasoning(inner: Any, think_end: int) -> AfterReasoningFormat:
+    """``inner`` (a compiled format) applied once the reply's open reasoning span ends."""
+    return AfterReasoningFormat(inner, think_end)
+
+
+class AfterReasoningFormat:
+    """A format for a reply that starts inside a reasoning span (the template opened it):
+    the reasoning is free, and the format applies from the token after its end marker,
+    as vLLM's structured outputs wait for a reasoning parser's end of reasoning."""
+
+    def __init__(self, inner: Any, think_end: int) -> None:
+        self.inner = inner  # a CompiledFormat or LazyCallFormat
+        self.think_end = think_end
+
+    def make_processor(self, prompt_len: int) -> _AfterReasoningProcessor:
+        return self.make_processor_at(prompt_len, ())
+
+    def make_processor_at(self, prompt_len: int, generated: Sequence[int]
+                          ) -> _AfterReasoningProcessor:
+        processor = _AfterReasoningProcessor(self, prompt_len)
+        generated = list(generated)
+        if self.think_end in generated:  # a replay past the reasoning: wake the format
+            at = generated.index(self.think_end) + 1
+            processor.wake(prompt_len + at, generated[at:])
+        else:
+            processor.read(prompt_len, generated)
+        return processor
+
+
+class _AfterReasoningProcessor:
+    """Asleep (logits untouched) until the reasoning's end marker, then the format's."""
+
+    __slots__ = ("_fmt", "_prompt_len", "_consumed", "_inner")
+
+    def __init__(self, fmt: AfterReasoningFormat, prompt_len: int) -> None:
+        self._fmt = fmt
+        self._prompt_len = prompt_len
+        self._consumed = 0
+        self._inner: Any = None  # the format's processor, once awake
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._inner is None:
+            context = tokens.reshape(-1)
+            start = self._prompt_len + self._consumed
+            if context.shape[0] > start:
+                self.read(start, context[start:].tolist())  # type: ignore[arg-type]
+            if self._inner is None:
+                return logits
+        return self._inner(tokens, logits)
+
+    def read(self, start: int, new: list[int]) -> None:
+        """``new``: the tokens from context position ``start`` on."""
+        if self._fmt.think_end in new:
+            at = new.index(self._fmt.think_end) + 1
+            self.wake(start + at, [])
+            return
+        self._consumed += len(new)
+
+    def wake(self, format_start: int, generated: list[int]) -> None:
+        """The format's processor, for a reply whose formatted part starts at context
+        position ``format_start`` (prompt and reasoning before it)."""
+        self._inner = self._fmt.inner.make_processor_at(format_start, generated)
