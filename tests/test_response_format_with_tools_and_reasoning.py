@@ -75,3 +75,38 @@ def test_a_replay_past_the_reasoning_resumes_the_format(agentic_tokenizer):
     with pytest.raises(RuntimeError, match="break the response format"):
         fmt.make_processor_at(0, reply_tokens(agentic_tokenizer, "hm", end, '{"other'))
     fmt.make_processor_at(0, reply_tokens(agentic_tokenizer, "not JSON, still reasoning"))
+
+
+def test_a_model_may_open_its_own_reasoning_before_the_format(agentic_server,
+                                                              agentic_tokenizer):
+    """Thinking off in the template (the reply starts outside reasoning), the model may
+    still open a span with its first token, as Qwen3 writes <think> itself; the span is
+    free and the answer after it follows the schema. Both markers are biased up: the
+    span opens at once and closes soon."""
+    think_start, think_end = 512, 513  # the agentic tiny model's <think>, </think>
+    for seed in (0, 1):
+        reply = chat(agentic_server, response_format=ANSWER, max_tokens=60,
+                     temperature=1.0, seed=seed,
+                     chat_template_kwargs={"enable_thinking": False},
+                     logit_bias={str(think_start): 100, str(think_end): 100})
+        choice = reply.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        content = choice["message"]["content"]
+        assert json.loads(content)["answer"] in ("yes", "no")
+        # The span's two markers came before the answer (a grammar from the first token
+        # would have masked the start marker: the reply would be the answer alone).
+        answer_tokens = len(agentic_tokenizer.encode(content, add_special_tokens=False))
+        assert reply.json()["usage"]["completion_tokens"] >= answer_tokens + 2
+
+
+def test_a_replay_of_a_reply_that_opened_its_reasoning(agentic_tokenizer):
+    start, end = agentic_tokenizer.think_start_id, agentic_tokenizer.think_end_id
+    fmt = compile_format(agentic_tokenizer, {
+        "type": "may_reason_first", "format": ANSWER, "think_start": start,
+        "think_end": end}, len(agentic_tokenizer._tokenizer))
+    fmt.make_processor_at(0, reply_tokens(agentic_tokenizer, start, "free", end,
+                                          '{"answer": "n'))
+    fmt.make_processor_at(0, reply_tokens(agentic_tokenizer, start, "still reasoning"))
+    fmt.make_processor_at(0, reply_tokens(agentic_tokenizer, '{"answer": "y'))  # no span
+    with pytest.raises(RuntimeError, match="break the response format"):
+        fmt.make_processor_at(0, reply_tokens(agentic_tokenizer, "no span, no JSON"))

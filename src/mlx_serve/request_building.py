@@ -160,14 +160,14 @@ def choices(request_id: str, prompt: list[int], params: SamplingParams, n: int, 
 
 async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner: Any,
                          forced_call: dict | None = None, calls: dict | None = None,
-                         reasoning_end: int | None = None) -> object | None:
+                         reasoning: dict | None = None) -> object | None:
     """The one constraint on a request's reply, compiled: a forced tool call's schema,
     ``response_format`` or vLLM's structured-output fields. Two at once are a 400, and
     so is one with ``ignore_eos`` or ``min_tokens`` (a format ends its reply with an
     end-of-sequence token, when its grammar does). ``calls`` (``strict_calls.json_calls``)
     keeps tool calls possible beside a JSON ``response_format`` and holds strict
-    functions' calls to their schemas. ``reasoning_end``: the token that ends the
-    reasoning span the reply starts in; a format applies after it."""
+    functions' calls to their schemas. ``reasoning`` (``_reasoning_markers``): the
+    reply's reasoning span, which a format leaves free."""
     asked: list[tuple[str, dict]] = []
     if forced_call is not None:
         asked.append(("tool_choice", {"type": "json_schema", "json_schema": {
@@ -189,9 +189,8 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
     name, spec = asked[0]
     if name == "response_format":
         spec = calls_format(calls, spec) or spec
-    if reasoning_end is not None:  # the reasoning stays free, as vLLM's reasoning parsers
-        spec = {"type": "after_reasoning", "format": spec, "think_end": reasoning_end,
-                "param": spec.get("param", name)}
+    if reasoning is not None:  # the reasoning stays free, as with vLLM's reasoning parsers
+        spec = {**reasoning, "format": spec, "param": spec.get("param", name)}
     return await _compiled(runner, spec)
 
 
@@ -201,15 +200,23 @@ async def _compiled(runner: Any, spec: dict | None) -> object | None:
     return await anyio.to_thread.run_sync(runner.compile_response_format, spec)
 
 
-def _reasoning_end(tokenizer: Any, rendered: Rendered) -> int | None:
-    """The token that ends the reasoning span a reply starts in (its template opened
-    it), if it is one token; else None."""
-    if rendered.initial_state != "reasoning":
+def _reasoning_markers(tokenizer: Any, rendered: Rendered) -> dict | None:
+    """Where the reply's reasoning span is, for a format to wait for its end: its end
+    marker when the template opened it; its start and end markers when the model may
+    open it itself; None when the model has none, or a marker is several tokens."""
+    if not getattr(tokenizer, "has_thinking", False) or rendered.initial_state not in (
+            "reasoning", "normal"):
         return None
     try:
-        return tokenizer.think_end_id
-    except (AttributeError, ValueError):  # no marker, or one of several tokens
+        start, end = tokenizer.think_start_id, tokenizer.think_end_id
+    except (AttributeError, ValueError):  # one of several tokens
         return None
+    if end is None:
+        return None
+    if rendered.initial_state == "reasoning":
+        return {"type": "after_reasoning", "think_end": end}
+    return None if start is None else {"type": "may_reason_first", "think_start": start,
+                                       "think_end": end}
 
 
 async def build_chat_request(
@@ -224,7 +231,7 @@ async def build_chat_request(
     calls = (json_calls([t.function for t in body.tools or ()], runner.tokenizer)
              if rendered.tools is not None and rendered.forced_call is None else None)
     response_format = await compile_format(body, runner, rendered.forced_call, calls,
-                                           _reasoning_end(runner.tokenizer, rendered))
+                                           _reasoning_markers(runner.tokenizer, rendered))
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
                              len(rendered.tokens), runner, settings)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -1,10 +1,12 @@
-"""A format that applies once the reasoning span the reply starts in has ended.
+"""A format that applies once the reply's reasoning span has ended.
 
 A chat template may open a reasoning span (``<think>``) at the end of the prompt. A
 format enforced from the reply's first token would then put the JSON inside the
 reasoning and leave the answer empty. Here the reasoning is free (no mask), and the
 format's processor starts at the token after the span's end marker, as vLLM's structured
-outputs wait for its reasoning parser's end of reasoning.
+outputs wait for its reasoning parser's end of reasoning (``AfterReasoningFormat``). A
+model that opens the span itself may do so with its first token; the format then waits
+for the span's end the same way (``MayReasonFirstFormat``).
 """
 
 from __future__ import annotations
@@ -77,3 +79,64 @@ class _AfterReasoningProcessor:
         """The format's processor, for a reply whose formatted part starts at context
         position ``format_start`` (prompt and reasoning before it)."""
         self._inner = self._fmt.inner.make_processor_at(format_start, generated)
+
+
+def compile_may_reason_first(inner: Any, think_start: int, think_end: int
+                             ) -> MayReasonFirstFormat:
+    """``inner`` applied from the reply's first token, unless that token opens a
+    reasoning span: then from the token after the span's end marker."""
+    return MayReasonFirstFormat(inner, think_start, think_end)
+
+
+class MayReasonFirstFormat:
+    """A format for a model that opens its own reasoning span (Qwen3 writes ``<think>``
+    itself): its first token may be the span's start marker, besides the format's own;
+    the span is then free, and the format applies after it."""
+
+    def __init__(self, inner: Any, think_start: int, think_end: int) -> None:
+        self.inner = inner
+        self.think_start = think_start
+        self.after = AfterReasoningFormat(inner, think_end)
+
+    def make_processor(self, prompt_len: int) -> _MayReasonFirstProcessor:
+        return self.make_processor_at(prompt_len, ())
+
+    def make_processor_at(self, prompt_len: int, generated: Sequence[int]
+                          ) -> _MayReasonFirstProcessor:
+        processor = _MayReasonFirstProcessor(self, prompt_len)
+        if generated:
+            processor.decide(generated[0], list(generated))
+        return processor
+
+
+class _MayReasonFirstProcessor:
+    """Until the first token is read: the format's mask plus the reasoning's start marker;
+    then the format's processor, or the one that waits for the span's end."""
+
+    __slots__ = ("_fmt", "_prompt_len", "_deciding", "_processor")
+
+    def __init__(self, fmt: MayReasonFirstFormat, prompt_len: int) -> None:
+        self._fmt = fmt
+        self._prompt_len = prompt_len
+        self._deciding = True
+        self._processor: Any = fmt.inner.make_processor_at(prompt_len, ())
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._deciding:
+            context = tokens.reshape(-1)
+            if context.shape[0] <= self._prompt_len:  # the first token: either way is open
+                masked = self._processor(tokens, logits)
+                opener = mx.arange(logits.shape[-1]) == self._fmt.think_start
+                return mx.where(opener, logits, masked)
+            self.decide(int(context[self._prompt_len].item()), [])  # type: ignore[arg-type]
+        return self._processor(tokens, logits)
+
+    def decide(self, first: int, generated: list[int]) -> None:
+        """The first token read: a reasoning span opened, or the format began.
+        ``generated``: a replay's tokens, the first included."""
+        self._deciding = False
+        if first == self._fmt.think_start:
+            self._processor = self._fmt.after.make_processor_at(self._prompt_len + 1,
+                                                                generated[1:])
+        elif generated:
+            self._processor = self._fmt.inner.make_processor_at(self._prompt_len, generated)

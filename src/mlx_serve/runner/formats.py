@@ -20,10 +20,14 @@ def compile_format(tokenizer: Any, response_format: dict, vocab_size: int) -> ob
                                         param=param) from None
     try:
         kind = response_format.get("type")
-        if kind == "after_reasoning":  # the format once the open reasoning span ends
-            from mlx_serve.runner.after_reasoning import compile_after_reasoning
+        if kind in ("after_reasoning", "may_reason_first"):  # reasoning stays free
+            from mlx_serve.runner import after_reasoning
             inner = compile_format(tokenizer, response_format["format"], vocab_size)
-            return compile_after_reasoning(inner, int(response_format["think_end"]))
+            end = int(response_format["think_end"])
+            if kind == "after_reasoning":
+                return after_reasoning.compile_after_reasoning(inner, end)
+            return after_reasoning.compile_may_reason_first(
+                inner, int(response_format["think_start"]), end)
         if kind in ("tool_calls", "answer_or_calls"):  # grammars for tool calls
             from mlx_serve.runner import call_grammar
             compile_calls = (call_grammar.compile_lazy_calls if kind == "tool_calls"
