@@ -16,10 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-
-def compile_after_reasoning(inner: Any, think_end: int) -> AfterReasoningFormat:
-    """``inner`` (a compiled format) applied once the reply's open reasoning span ends."""
-    return AfterReasoningFormat(inner, think_end)
+from mlx_serve.runner.structured import new_tokens
 
 
 class AfterReasoningFormat:
@@ -37,12 +34,7 @@ class AfterReasoningFormat:
     def make_processor_at(self, prompt_len: int, generated: Sequence[int]
                           ) -> _AfterReasoningProcessor:
         processor = _AfterReasoningProcessor(self, prompt_len)
-        generated = list(generated)
-        if self.think_end in generated:  # a replay past the reasoning: wake the format
-            at = generated.index(self.think_end) + 1
-            processor.wake(prompt_len + at, generated[at:])
-        else:
-            processor.read(prompt_len, generated)
+        processor.read(list(generated))  # a replay: past the reasoning, the format wakes
         return processor
 
 
@@ -54,38 +46,25 @@ class _AfterReasoningProcessor:
     def __init__(self, fmt: AfterReasoningFormat, prompt_len: int) -> None:
         self._fmt = fmt
         self._prompt_len = prompt_len
-        self._consumed = 0
+        self._consumed = 0  # generated tokens read while asleep
         self._inner: Any = None  # the format's processor, once awake
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._inner is None:
-            context = tokens.reshape(-1)
-            start = self._prompt_len + self._consumed
-            if context.shape[0] > start:
-                self.read(start, context[start:].tolist())  # type: ignore[arg-type]
+            self.read(new_tokens(tokens, self._prompt_len, self._consumed))
             if self._inner is None:
                 return logits
         return self._inner(tokens, logits)
 
-    def read(self, start: int, new: list[int]) -> None:
-        """``new``: the tokens from context position ``start`` on."""
-        if self._fmt.think_end in new:
-            at = new.index(self._fmt.think_end) + 1
-            self.wake(start + at, [])
+    def read(self, new: list[int]) -> None:
+        """Follow the reasoning; at its end marker the format's processor starts, having
+        read what came after the marker."""
+        if self._fmt.think_end not in new:
+            self._consumed += len(new)
             return
-        self._consumed += len(new)
-
-    def wake(self, format_start: int, generated: list[int]) -> None:
-        """The format's processor, for a reply whose formatted part starts at context
-        position ``format_start`` (prompt and reasoning before it)."""
-        self._inner = self._fmt.inner.make_processor_at(format_start, generated)
-
-
-def compile_may_reason_first(inner: Any, think_start: int, think_end: int
-                             ) -> MayReasonFirstFormat:
-    """``inner`` applied from the reply's first token, unless that token opens a
-    reasoning span: then from the token after the span's end marker."""
-    return MayReasonFirstFormat(inner, think_start, think_end)
+        at = new.index(self._fmt.think_end) + 1
+        self._inner = self._fmt.inner.make_processor_at(
+            self._prompt_len + self._consumed + at, new[at:])
 
 
 class MayReasonFirstFormat:
@@ -105,7 +84,7 @@ class MayReasonFirstFormat:
                           ) -> _MayReasonFirstProcessor:
         processor = _MayReasonFirstProcessor(self, prompt_len)
         if generated:
-            processor.decide(generated[0], list(generated))
+            processor.decide(list(generated))
         return processor
 
 
@@ -123,20 +102,19 @@ class _MayReasonFirstProcessor:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._deciding:
-            context = tokens.reshape(-1)
-            if context.shape[0] <= self._prompt_len:  # the first token: either way is open
+            generated = new_tokens(tokens, self._prompt_len, 0)
+            if not generated:  # the first token: either way is open
                 masked = self._processor(tokens, logits)
                 opener = mx.arange(logits.shape[-1]) == self._fmt.think_start
                 return mx.where(opener, logits, masked)
-            self.decide(int(context[self._prompt_len].item()), [])  # type: ignore[arg-type]
+            self.decide(generated)
         return self._processor(tokens, logits)
 
-    def decide(self, first: int, generated: list[int]) -> None:
-        """The first token read: a reasoning span opened, or the format began.
-        ``generated``: a replay's tokens, the first included."""
+    def decide(self, generated: list[int]) -> None:
+        """The first tokens read: a reasoning span opened, or the format began."""
         self._deciding = False
-        if first == self._fmt.think_start:
+        if generated[0] == self._fmt.think_start:
             self._processor = self._fmt.after.make_processor_at(self._prompt_len + 1,
                                                                 generated[1:])
-        elif generated:
+        else:
             self._processor = self._fmt.inner.make_processor_at(self._prompt_len, generated)

@@ -25,6 +25,7 @@ from mlx_serve.runner.structured import (
     CompiledFormat,
     StructuredOutputError,
     compile_response_format,
+    new_tokens,
     schema_of,
 )
 
@@ -104,13 +105,9 @@ class _LazyCallProcessor:
         self._mask: mx.array | None = None  # the open call's, for its current state
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        context = tokens.reshape(-1)
-        start = self._prompt_len + self._consumed
-        if context.shape[0] < start:  # as CompiledFormat's: the context must be whole
-            raise RuntimeError(f"context has {context.shape[0]} tokens, expected at least "
-                               f"prompt {self._prompt_len} + {self._consumed} generated")
-        if context.shape[0] > start:
-            self.read(context[start:].tolist())  # type: ignore[arg-type]
+        new = new_tokens(tokens, self._prompt_len, self._consumed)
+        if new:
+            self.read(new)
         if self._matcher is None:
             return logits
         if self._mask is None:

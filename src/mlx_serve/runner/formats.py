@@ -14,25 +14,31 @@ def compile_format(tokenizer: Any, response_format: dict, vocab_size: int) -> ob
     unsupported parameter."""
     param = str(response_format.get("param", "response_format"))
     try:
-        from mlx_serve.runner.structured import StructuredOutputError, compile_response_format
+        from mlx_serve.runner.structured import StructuredOutputError
     except ImportError:
         raise UnsupportedParameterError("structured output is not available",
                                         param=param) from None
     try:
-        kind = response_format.get("type")
-        if kind in ("after_reasoning", "may_reason_first"):  # reasoning stays free
-            from mlx_serve.runner import after_reasoning
-            inner = compile_format(tokenizer, response_format["format"], vocab_size)
-            end = int(response_format["think_end"])
-            if kind == "after_reasoning":
-                return after_reasoning.compile_after_reasoning(inner, end)
-            return after_reasoning.compile_may_reason_first(
-                inner, int(response_format["think_start"]), end)
-        if kind in ("tool_calls", "answer_or_calls"):  # grammars for tool calls
-            from mlx_serve.runner import call_grammar
-            compile_calls = (call_grammar.compile_lazy_calls if kind == "tool_calls"
-                             else call_grammar.compile_answer_or_calls)
-            return compile_calls(tokenizer, response_format, vocab_size)
-        return compile_response_format(tokenizer, response_format, vocab_size)
+        return _compiled(tokenizer, response_format, vocab_size)
     except StructuredOutputError as exc:
         raise RequestError(f"invalid {param}: {exc}", param=param) from None
+
+
+def _compiled(tokenizer: Any, spec: dict, vocab_size: int) -> object:
+    """A format by its type: OpenAI's and vLLM's (structured), tool calls' grammars
+    (call_grammar) and formats that leave a reasoning span free (after_reasoning)."""
+    from mlx_serve.runner import after_reasoning, call_grammar, structured
+
+    kind = spec.get("type")
+    if kind == "after_reasoning":
+        return after_reasoning.AfterReasoningFormat(
+            _compiled(tokenizer, spec["format"], vocab_size), int(spec["think_end"]))
+    if kind == "may_reason_first":
+        return after_reasoning.MayReasonFirstFormat(
+            _compiled(tokenizer, spec["format"], vocab_size), int(spec["think_start"]),
+            int(spec["think_end"]))
+    if kind == "tool_calls":
+        return call_grammar.compile_lazy_calls(tokenizer, spec, vocab_size)
+    if kind == "answer_or_calls":
+        return call_grammar.compile_answer_or_calls(tokenizer, spec, vocab_size)
+    return structured.compile_response_format(tokenizer, spec, vocab_size)

@@ -97,6 +97,18 @@ class CompiledFormat:
         return mx.array(bits.view(bool))
 
 
+def new_tokens(tokens: mx.array, prompt_len: int, read: int) -> list[int]:
+    """The context's tokens past the prompt and the ``read`` generated tokens a processor
+    has seen. mlx-lm passes the whole context (prompt + generated); reading it waits for
+    the token sampled last step."""
+    context = tokens.reshape(-1)
+    start, end = prompt_len + read, context.shape[0]
+    if end < start:  # e.g. a cached prefix left out of the context (pass all_tokens)
+        raise RuntimeError(f"context has {end} tokens, expected at least prompt "
+                           f"{prompt_len} + {read} generated")
+    return context[start:].tolist() if end > start else []  # type: ignore[return-value]
+
+
 class _Processor:
     """Per-request state: the matcher and how many generated tokens it has consumed."""
 
@@ -109,16 +121,9 @@ class _Processor:
         self._mask: mx.array | None = None  # for the current state; reused on a repeat call
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        context = tokens.reshape(-1)
-        start = self._prompt_len + self._consumed
-        end = context.shape[0]
-        if end < start:  # e.g. a cached prefix left out of the context (pass all_tokens)
-            raise RuntimeError(
-                f"context has {end} tokens, expected at least prompt {self._prompt_len}"
-                f" + {self._consumed} generated")
-        if end > start:
-            new: list[int] = context[start:].tolist()  # type: ignore[assignment]
-            self._consume(new)  # tolist() waited for the token sampled last step
+        new = new_tokens(tokens, self._prompt_len, self._consumed)
+        if new:
+            self._consume(new)
         if self._mask is None:
             self._mask = self._fmt.mask(self._matcher)
         return mx.where(self._mask, logits, -mx.inf)
