@@ -57,8 +57,10 @@ _ON_WHEN_EMPTY = frozenset({"web_search_options"})
 
 
 def _is_off(name: str, value: Any) -> bool:
-    if value is None or name in _ON_WHEN_EMPTY:
-        return value is None
+    if value is None:
+        return True
+    if name in _ON_WHEN_EMPTY:
+        return False
     return value in (False, [], {}) or _DEFAULTS.get(name) == value
 
 
