@@ -29,6 +29,7 @@ from typing import Any
 
 from benchmarks import environment
 from benchmarks.contenders import (
+    MODEL_HELP,
     resolve_model_path,
     resolve_native,
     rotated,
@@ -275,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny",
-                   help="tiny | default (SmolLM2 4-bit) | default-f32 | a model folder")
+                   help=MODEL_HELP)
     p.add_argument("--blas", choices=("auto", "openblas", "reference"), default="auto",
                    help="BLAS for all three contenders (auto: OpenBLAS when installed)")
     p.add_argument("--allocator", choices=("auto", "jemalloc", "system"), default="auto",

@@ -9,13 +9,23 @@ from typing import Any
 from benchmarks.servers import NativeLibs
 from mlx_serve.preload import find_jemalloc, find_openblas
 
+# The GPU benchmarks' 1B llama has 16 layers. At one stream its step is bound by the CPU
+# that builds and launches its graph, whose cost goes with the number of layers, not
+# their width: ``deep`` has those 16 layers at the tiny model's width, so that this
+# machine's CPU builds the same graph while the arithmetic stays small.
+DEEP_LAYERS = 16
+MODEL_HELP = "tiny | deep (tiny, 16 layers) | default (SmolLM2 4-bit) | default-f32 | a folder"
+
 
 def resolve_model_path(spec: str, workdir: Path) -> str:
-    """``tiny``: the tiny random model; ``default`` / ``default-f32``: SmolLM2 in 4-bit or
-    dequantized to float32 (mlx_serve's form with OpenBLAS); else a model folder."""
-    if spec == "tiny":
+    """``tiny``: the tiny random model; ``deep``: the same with the 1B llama's 16 layers;
+    ``default`` / ``default-f32``: SmolLM2 in 4-bit or dequantized to float32
+    (mlx_serve's form with OpenBLAS); else a model folder."""
+    if spec in ("tiny", "deep"):
         from mlx_serve.tiny_model import build_tiny_model
 
+        if spec == "deep":
+            return str(build_tiny_model(workdir / "deep-model", num_layers=DEEP_LAYERS))
         return str(build_tiny_model(workdir / "tiny-model"))
     if spec in ("default", "default-f32"):
         from mlx_serve.models import resolve_model

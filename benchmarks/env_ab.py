@@ -32,6 +32,7 @@ from typing import Any
 from benchmarks import environment
 from benchmarks.ab import RESULTS_DIR
 from benchmarks.contenders import (
+    MODEL_HELP,
     resolve_model_path,
     resolve_native,
     rotated,
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", type=parse_variant, action="append", required=True,
                    help="NAME=VALUE[,NAME=VALUE...] for one server ('-': as is); repeat")
     p.add_argument("--model", default="tiny",
-                   help="tiny | default (SmolLM2 4-bit) | default-f32 | a model folder")
+                   help=MODEL_HELP)
     p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")],
                    default=[1, 16])
     p.add_argument("--rounds", type=int, default=2)

@@ -52,7 +52,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.contenders import rotated
+from benchmarks.contenders import MODEL_HELP, rotated
 from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
 from benchmarks.report import cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import add_shape_args
@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.layers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny",
-                   help="tiny | default (SmolLM2 4-bit) | default-f32 | a model folder")
+                   help=MODEL_HELP)
     p.add_argument("--layers", type=lambda s: s.split(","), default=list(LAYERS),
                    help=f"comma-separated, the first being the base (default {','.join(LAYERS)})")
     p.add_argument("--concurrency", type=int, default=1)

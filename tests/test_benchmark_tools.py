@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,16 @@ async def test_a_server_that_is_not_there_fails_every_request_without_hanging():
     target = Target("http://127.0.0.1:9", request_timeout=5.0)  # discard port: refused
     summary = (await run_load(target, workload, ["a b c", "d e f"]))["summary"]
     assert (summary["completed"], summary["failed"]) == (0, 2)
+
+
+def test_the_deep_model_has_the_1b_llamas_layers_at_the_tiny_models_width(tmp_path):
+    from benchmarks.contenders import DEEP_LAYERS, resolve_model_path
+
+    deep = json.loads((Path(resolve_model_path("deep", tmp_path)) / "config.json").read_text())
+    tiny = json.loads((Path(resolve_model_path("tiny", tmp_path)) / "config.json").read_text())
+    assert (deep["num_hidden_layers"], tiny["num_hidden_layers"]) == (DEEP_LAYERS, 2)
+    assert deep["hidden_size"] == tiny["hidden_size"] and DEEP_LAYERS == 16
+    assert resolve_model_path("/some/folder", tmp_path) == "/some/folder"
 
 
 def test_variants_parse_and_compare_against_the_first():
