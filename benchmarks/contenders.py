@@ -24,9 +24,8 @@ def resolve_model_path(spec: str, workdir: Path) -> str:
     if spec in ("tiny", "deep"):
         from mlx_serve.tiny_model import build_tiny_model
 
-        if spec == "deep":
-            return str(build_tiny_model(workdir / "deep-model", num_layers=DEEP_LAYERS))
-        return str(build_tiny_model(workdir / "tiny-model"))
+        shape = {"num_layers": DEEP_LAYERS} if spec == "deep" else {}
+        return str(build_tiny_model(workdir / f"{spec}-model", **shape))
     if spec in ("default", "default-f32"):
         from mlx_serve.models import resolve_model
 
