@@ -43,7 +43,9 @@ class Prepared:
     reasoning_format: str = "reasoning"
     echo: dict[int, str] = dataclasses.field(default_factory=dict)  # choice -> its prompt
     prompt_logprobs: int | None = None  # vLLM's: the prompt's scores in the reply
-    forced_call: bool = False  # the reply is one forced call, written as JSON
+    # The reply's calls are written as JSON whatever the model's own format: a forced
+    # call, or calls held to a grammar (``strict_calls``), so they are read as JSON.
+    calls_as_json: bool = False
 
 
 def _unsupported(param: str, why: str = "is not supported by this server") -> None:
@@ -230,8 +232,7 @@ async def build_chat_request(
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer,
                                       runner.encode, body)
-    calls = (json_calls([t.function for t in body.tools or ()], runner.tokenizer)
-             if rendered.tools is not None and rendered.forced_call is None else None)
+    calls = _held_calls(body, rendered, runner.tokenizer)
     response_format = await compile_format(body, runner, rendered.forced_call, calls,
                                            _reasoning_markers(runner.tokenizer, rendered))
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
@@ -250,7 +251,20 @@ async def build_chat_request(
     reasoning_format = body.reasoning_format or settings.reasoning_format
     return Prepared(tuple(reqs), len(rendered.tokens), logprobs, rendered.tools,
                     reasoning_format, prompt_logprobs=body.prompt_logprobs,
-                    forced_call=rendered.forced_call is not None)
+                    calls_as_json=rendered.forced_call is not None
+                    or (calls is not None and calls["as_json"]))
+
+
+def _held_calls(body: ChatCompletionRequest, rendered: Rendered, tokenizer: Any
+                ) -> dict | None:
+    """The calls a grammar may hold (``strict_calls.json_calls``): with tools offered and
+    no call forced, beside no vLLM structured-output field (which holds the whole reply,
+    calls included)."""
+    if rendered.tools is None or rendered.forced_call is not None or guided_format(body):
+        return None
+    fmt = body.response_format
+    json_answer = fmt is not None and fmt.type in ("json_object", "json_schema")
+    return json_calls([t.function for t in body.tools or ()], tokenizer, json_answer)
 
 
 # Text up to this many characters is rendered and tokenized on the event loop: that

@@ -112,10 +112,11 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
 def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model: str, *,
                  chat: bool, **options: Any) -> ReplyShape:
     """What the reply needs from the prepared request (tool calls parsed with the model
-    family's parser when tools were offered; a forced call, written as JSON, as JSON)."""
+    family's parser when tools were offered; calls written as JSON, a forced call or
+    calls held to a grammar, as JSON)."""
     runner = state.engine.runner
     parser = None
-    if prepared.forced_call:
+    if prepared.calls_as_json:
         parser = runner.json_tool_parser()
     elif prepared.tools:
         parser = getattr(runner.tokenizer, "tool_parser", None)

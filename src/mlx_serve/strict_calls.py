@@ -11,9 +11,12 @@ text is free again.
 Beside a JSON ``response_format`` the reply is the answer in its schema or such calls,
 so tools stay callable, as with OpenAI's models.
 
-This holds for models whose calls are that JSON between single-token markers (mlx-lm's
-``json_tools`` family: Qwen, Hermes and the like). For other call formats ``strict`` is
-accepted and not enforced, as in vLLM; the README says so.
+This holds for models whose tool-call markers are one token each. Where the model's own
+calls are that JSON (mlx-lm's ``json_tools`` family: Qwen, Hermes and the like) nothing
+changes but the grammar. Where they are not (Qwen3-Coder's XML, say), a call held to a
+grammar is written as that JSON between the model's markers and read as JSON, as a
+forced call is (``prompts.forced_call_schema``); without a strict function or a JSON
+answer the model keeps its own format.
 """
 
 from __future__ import annotations
@@ -38,19 +41,23 @@ def call_schema(functions: Sequence[FunctionDefinition], enforce_all: bool) -> d
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def json_calls(functions: Sequence[FunctionDefinition] | None, tokenizer: Any
-               ) -> dict | None:
-    """How this model's calls to ``functions`` can be held to a grammar: the markers'
-    token ids, one call's schema, and whether any function is strict; None when no
-    function is offered or the model's calls are not JSON between one-token markers."""
-    if not functions:
+def json_calls(functions: Sequence[FunctionDefinition] | None, tokenizer: Any,
+               json_answer: bool = False) -> dict | None:
+    """How this model's calls to ``functions`` are held to a grammar: the markers' token
+    ids, one call's schema, whether any function is strict, and whether the calls are
+    JSON in a format that is not the model's own (``as_json``). None when nothing asks
+    for a grammar (no strict function, no ``json_answer``: a JSON ``response_format``
+    beside the tools), so that the model writes its calls its own way, or when the
+    markers are not one token each."""
+    strict = any(f.strict for f in functions or ())
+    if not functions or not (strict or json_answer):
         return None
     markers = _marker_ids(tokenizer)
     if markers is None:
         return None
     return {"start": markers[0], "end": markers[1],
-            "schema": call_schema(functions, enforce_all=False),
-            "strict": any(f.strict for f in functions)}
+            "schema": call_schema(functions, enforce_all=False), "strict": strict,
+            "as_json": not is_json_tool_parser(getattr(tokenizer, "tool_parser", None))}
 
 
 def calls_format(calls: dict | None, answer: dict | None) -> dict | None:
@@ -70,10 +77,7 @@ def calls_format(calls: dict | None, answer: dict | None) -> dict | None:
 
 
 def _marker_ids(tokenizer: Any) -> tuple[int, int] | None:
-    """The tool-call start and end markers' token ids, when the model writes JSON calls
-    between markers that are one token each."""
-    if not is_json_tool_parser(getattr(tokenizer, "tool_parser", None)):
-        return None
+    """The tool-call start and end markers' token ids, when each is one token."""
     ids = []
     for marker in (getattr(tokenizer, "tool_call_start", None),
                    getattr(tokenizer, "tool_call_end", None)):
