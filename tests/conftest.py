@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -78,6 +80,28 @@ def agentic_server(agentic_dir: Path, tmp_path_factory: pytest.TempPathFactory
     log = tmp_path_factory.mktemp("agentic-log") / "server.log"
     with ServerProcess(agentic_dir, log) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def xml_server(agentic_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[ServerProcess]:
+    """The agentic tiny model with Qwen3-Coder's parser: the same <tool_call> markers,
+    XML calls inside them."""
+    folder = tmp_path_factory.mktemp("xml-model") / "model"
+    shutil.copytree(agentic_dir, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tool_parser_type"] = "qwen3_coder"
+    config_path.write_text(json.dumps(config))
+    with ServerProcess(folder, folder.parent / "server.log") as server:
+        yield server
+
+
+@pytest.fixture(params=["agentic_server", "xml_server"], ids=["json-calls", "xml-calls"])
+def calls_server(request: pytest.FixtureRequest) -> ServerProcess:
+    """The agentic model with its own calls in JSON, then with its own calls in XML
+    (which a grammar makes JSON)."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture

@@ -1,42 +1,25 @@
 """Calls held to a grammar on a model whose own call format is not JSON: a forced tool
-call (``tool_choice`` required or a named function), a strict function's call and a call
-beside a JSON ``response_format`` are written as JSON between the model's markers, as
-vLLM forces calls, and read as JSON, whole and streamed, in chat and in Responses. With
-nothing to hold, the model keeps its own format."""
+call (``tool_choice`` required or a named function) is written as JSON between the
+model's markers, as vLLM forces calls, and read as JSON, whole and streamed, in chat and
+in Responses. So are a strict function's call and a call beside a JSON
+``response_format`` (tested over both formats in ``test_strict_tool_calls`` and
+``test_response_format_with_tools_and_reasoning``); with nothing to hold, the model
+keeps its own format."""
 
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
 from mlx_serve.strict_calls import json_calls
 from tests.server_process import ServerProcess
-from tests.test_agentic import BOUNDED_TOOLS, RESPONSES_TOOL, chat
-from tests.test_response_format_with_tools_and_reasoning import ANSWER
-from tests.test_strict_tool_calls import CITIES, LOOSE, STRICT, STRICT_TOOLS, biased_call
+from tests.test_agentic import BOUNDED_TOOLS, RESPONSES_TOOL
+from tests.test_strict_tool_calls import LOOSE, STRICT
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def xml_server(agentic_dir: Path, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[ServerProcess]:
-    """The agentic tiny model with Qwen3-Coder's parser: the same <tool_call> markers,
-    XML calls inside them."""
-    folder = tmp_path_factory.mktemp("xml-model") / "model"
-    shutil.copytree(agentic_dir, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tool_parser_type"] = "qwen3_coder"
-    config_path.write_text(json.dumps(config))
-    with ServerProcess(folder, folder.parent / "server.log") as server:
-        yield server
 
 
 def client(server: ServerProcess) -> tuple[openai.OpenAI, str]:
@@ -87,54 +70,3 @@ def test_only_a_grammar_turns_an_xml_models_calls_into_json(agentic_tokenizer, m
     assert json_calls([LOOSE], agentic_tokenizer) is None  # its own format: nothing held
     assert json_calls([STRICT, LOOSE], agentic_tokenizer)["as_json"] is True
     assert json_calls([LOOSE], agentic_tokenizer, json_answer=True)["as_json"] is True
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_strict_call_on_an_xml_model_is_json_in_its_schema(xml_server, seed):
-    choice = biased_call(xml_server, STRICT_TOOLS, seed)
-    assert choice["finish_reason"] == "tool_calls", choice
-    (call,) = choice["message"]["tool_calls"]
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"])["city"] in CITIES
-
-
-def test_without_strict_an_xml_model_writes_its_own_unconstrained_calls(xml_server):
-    """The control: not strict, the random model writes noise in its own format after the
-    marker, so no seed gives a valid call and the test above could fail."""
-    loose = [{"type": "function", "function": {**BOUNDED_TOOLS[0]["function"],
-                                               "parameters": STRICT.parameters}}]
-    for seed in (0, 1, 2):
-        calls = biased_call(xml_server, loose, seed)["message"].get("tool_calls") or []
-        assert not any(json.loads(c["function"]["arguments"] or "{}").get("city") in CITIES
-                       for c in calls), calls
-
-
-def test_a_streamed_strict_call_on_an_xml_model_is_the_whole_ones(xml_server):
-    sdk, model = client(xml_server)
-    ask = dict(model=model, messages=ASK, tools=STRICT_TOOLS, max_tokens=60,
-               temperature=1.0, seed=5, parallel_tool_calls=False,
-               extra_body={"logit_bias": {"514": 100}})
-    (call,) = sdk.chat.completions.create(**ask).choices[0].message.tool_calls
-    assert json.loads(call.function.arguments)["city"] in CITIES
-    chunks = list(sdk.chat.completions.create(**ask, stream=True))
-    streamed = "".join(d.function.arguments or "" for c in chunks if c.choices
-                       for d in c.choices[0].delta.tool_calls or [])
-    assert streamed == call.function.arguments
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-
-
-def test_a_json_response_format_leaves_an_xml_models_tools_callable(xml_server):
-    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
-    for seed in (0, 1):
-        choice = biased_call(xml_server, BOUNDED_TOOLS, seed, response_format=ANSWER,
-                             **no_thinking)
-        (call,) = choice["message"]["tool_calls"]
-        assert call["function"]["name"] == "get_weather"
-        assert call["function"]["arguments"].startswith("{")
-    # No call and no reasoning span (the model may open one with its first token): the
-    # answer in its schema.
-    answer = chat(xml_server, tools=BOUNDED_TOOLS, response_format=ANSWER, max_tokens=40,
-                  temperature=1.0, seed=0, logit_bias={"514": -100, "512": -100},
-                  **no_thinking)
-    assert json.loads(answer.json()["choices"][0]["message"]["content"])["answer"] in (
-        "yes", "no")

@@ -24,13 +24,14 @@ ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
 
 
 @pytest.mark.parametrize("strict", [True, False])
-def test_a_json_response_format_leaves_tools_callable(agentic_server, strict):
+def test_a_json_response_format_leaves_tools_callable(calls_server, strict):
     """As with OpenAI's models, a reply with a response_format may call a tool: it is the
-    answer in its schema, or calls between the markers (a strict one in its schema)."""
+    answer in its schema, or calls between the markers (a strict one in its schema), in
+    JSON whatever the model's own call format."""
     tools = [{"type": "function", "function": {**STRICT.model_dump(exclude_none=True),
                                                "strict": strict}}]
     for seed in (0, 1):
-        choice = biased_call(agentic_server, tools, seed, response_format=ANSWER,
+        choice = biased_call(calls_server, tools, seed, response_format=ANSWER,
                              chat_template_kwargs={"enable_thinking": False})
         (call,) = choice["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather"
@@ -41,12 +42,13 @@ def test_a_json_response_format_leaves_tools_callable(agentic_server, strict):
             assert call["function"]["arguments"].startswith("{")
 
 
-def test_without_a_call_the_reply_is_the_answer_in_its_schema(agentic_server):
+def test_without_a_call_the_reply_is_the_answer_in_its_schema(calls_server):
     for seed in (0, 1, 2):
-        reply = chat(agentic_server, tools=STRICT_TOOLS, response_format=ANSWER,
+        reply = chat(calls_server, tools=STRICT_TOOLS, response_format=ANSWER,
                      max_tokens=40, temperature=1.0, seed=seed,
                      chat_template_kwargs={"enable_thinking": False},  # no reasoning span
-                     logit_bias={"514": -100})  # no call: the answer
+                     # no call, and no reasoning span opened by the model: the answer
+                     logit_bias={"514": -100, "512": -100})
         choice = reply.json()["choices"][0]
         assert choice["finish_reason"] == "stop", choice
         assert json.loads(choice["message"]["content"])["answer"] in ("yes", "no")
