@@ -70,3 +70,13 @@ def test_only_a_grammar_turns_an_xml_models_calls_into_json(agentic_tokenizer, m
     assert json_calls([LOOSE], agentic_tokenizer) is None  # its own format: nothing held
     assert json_calls([STRICT, LOOSE], agentic_tokenizer)["as_json"] is True
     assert json_calls([LOOSE], agentic_tokenizer, json_answer=True)["as_json"] is True
+
+
+def test_strict_on_markers_of_several_tokens_is_accepted_with_a_warning(
+        agentic_tokenizer, monkeypatch, caplog):
+    monkeypatch.setattr(agentic_tokenizer, "_tool_call_start", "<tool_call>call")
+    with caplog.at_level("WARNING", logger="mlx_serve.strict_calls"):
+        assert json_calls([LOOSE], agentic_tokenizer) is None
+        assert not caplog.records  # nothing asked for, nothing to say
+        assert json_calls([STRICT], agentic_tokenizer) is None
+    assert "'strict' is not enforced" in caplog.records[0].getMessage()

@@ -21,11 +21,14 @@ answer the model keeps its own format.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from mlx_serve.protocol import FunctionDefinition
 from mlx_serve.tool_calls import is_json_tool_parser
+
+log = logging.getLogger(__name__)
 
 
 def call_schema(functions: Sequence[FunctionDefinition], enforce_all: bool) -> dict:
@@ -54,6 +57,9 @@ def json_calls(functions: Sequence[FunctionDefinition] | None, tokenizer: Any,
         return None
     markers = _marker_ids(tokenizer)
     if markers is None:
+        if strict:  # accepted, as vLLM does, but said: the call may leave its schema
+            log.warning("'strict' is not enforced: this model's tool-call markers are not "
+                        "one token each")
         return None
     return {"start": markers[0], "end": markers[1],
             "schema": call_schema(functions, enforce_all=False), "strict": strict,
