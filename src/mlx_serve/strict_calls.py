@@ -47,8 +47,8 @@ def call_schema(functions: Sequence[FunctionDefinition], enforce_all: bool) -> d
 def json_calls(functions: Sequence[FunctionDefinition] | None, tokenizer: Any,
                json_answer: bool = False) -> dict | None:
     """How this model's calls to ``functions`` are held to a grammar: the markers' token
-    ids, one call's schema, whether any function is strict, and whether the calls are
-    JSON in a format that is not the model's own (``as_json``). None when nothing asks
+    ids, one call's schema, and whether the calls are JSON in a format that is not the
+    model's own (``as_json``). None when nothing asks
     for a grammar (no strict function, no ``json_answer``: a JSON ``response_format``
     beside the tools), so that the model writes its calls its own way, or when the
     markers are not one token each."""
@@ -62,22 +62,20 @@ def json_calls(functions: Sequence[FunctionDefinition] | None, tokenizer: Any,
                         "one token each")
         return None
     return {"start": markers[0], "end": markers[1],
-            "schema": call_schema(functions, enforce_all=False), "strict": strict,
+            "schema": call_schema(functions, enforce_all=False),
             "as_json": not is_json_tool_parser(getattr(tokenizer, "tool_parser", None))}
 
 
 def calls_format(calls: dict | None, answer: dict | None) -> dict | None:
     """The format for the runner's ``compile_response_format`` that a reply with these
-    calls needs: with a JSON ``answer`` (response_format), the answer or calls, each
-    held to its schema; without one, strict functions' calls (None if none is strict).
-    Without calls: the answer alone."""
+    calls (``json_calls``) needs: with a JSON ``answer`` (response_format), the answer or
+    calls, each held to its schema; without one, the calls (a strict function's asked for
+    them). Without calls: the answer alone."""
     if calls is None:
         return answer
     markers = {"start": calls["start"], "end": calls["end"], "schema": calls["schema"]}
     if answer is None:
-        return {"type": "tool_calls", **markers, "param": "tools"} if calls["strict"] else None
-    if answer.get("type") not in ("json_schema", "json_object"):
-        return answer
+        return {"type": "tool_calls", **markers, "param": "tools"}
     return {"type": "answer_or_calls", "answer": answer, **markers,
             "param": answer.get("param", "response_format")}
 
