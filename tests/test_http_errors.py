@@ -1,11 +1,9 @@
 """Black-box tests of every HTTP error: its status and OpenAI's error shape.
 
 ``{"error": {"message", "type", "param", "code"}}``, against a real ``python -m mlx_serve``
-process on the tiny model, served as ``foo`` (``--served-model-name``), with
-``--max-body-bytes 2048 --max-context 64 --body-timeout 3 --header-timeout 3``, and
-queue 1, batch 1 (so that two requests fill it once the overload test hangs its steps
-through the fail-point HTTP control). Every wait is bounded; nothing sleeps to
-synchronise.
+process with small limits (``tests/error_server.py``). Errors of request bodies (size,
+slow and unfinished bodies) are in ``test_http_body_limits.py``. Every wait is bounded;
+nothing sleeps to synchronise.
 
 The deeply nested body test runs after the log check, so a regression that logs a
 traceback there shows up in its own test.
@@ -14,81 +12,27 @@ traceback there shows up in its own test.
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-import socket
 import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.error_server import (
+    HI,
+    MAX_CONTEXT,
+    MODEL,
+    TIMEOUT,
+    assert_serving_without_a_trace,
+    error_of,
+    error_server_fixture,
+    http_fixture,
+    param_matches,
+)
 
-MODEL = "foo"  # --served-model-name: the model folder is "tiny"
-HI = [{"role": "user", "content": "hi"}]  # 17 prompt tokens with the tiny ChatML template
-MAX_CONTEXT = 64
-MAX_BODY = 2048
-BODY_TIMEOUT = 3.0  # seconds; every other test's body arrives at once
-BODIES_IN_FLIGHT = 3000  # bytes of bodies read at once; every other test sends one body
-TIMEOUT = 30.0
-READY_TIMEOUT = 100.0  # a start takes ~3 s, far more on a loaded 2-core machine
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("http_errors") / "server.log"
-    # Batch 1 and queue 1 change nothing for the one-at-a-time requests of most tests, and
-    # let the overload test fill the server with two requests once it hangs the steps.
-    proc = ServerProcess(tiny_model_dir, log, args=[
-        "--max-body-bytes", str(MAX_BODY), "--max-context", str(MAX_CONTEXT),
-        "--body-timeout", str(BODY_TIMEOUT), "--header-timeout", str(BODY_TIMEOUT),
-        "--max-body-bytes-in-flight", str(BODIES_IN_FLIGHT),
-        "--served-model-name", MODEL,
-        "--max-queue", "1", "--decode-batch-size", "1", "--failpoints-http",
-        "--drain-timeout", "5"])
-    try:
-        proc.wait_ready(READY_TIMEOUT)
-        yield proc
-    finally:
-        # Never leave a step hanging: a clean SIGTERM needs the MLX thread back.
-        try:
-            httpx.delete(proc.base_url + "/_debug/failpoints/engine.step", timeout=5)
-        except httpx.HTTPError:
-            pass
-        proc.stop()
-
-
-@pytest.fixture
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as c:
-        yield c
-
-
-def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
-    """Check the status and OpenAI's error shape; return the inner error object."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"}, body
-    error = body["error"]
-    assert {"message", "type", "param", "code"} <= set(error), error
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    assert error["param"] is None or isinstance(error["param"], str)
-    assert error["code"] is None or isinstance(error["code"], str)
-    return error
-
-
-def param_matches(error: dict[str, Any], expected: str) -> bool:
-    """``param`` names the field, or a path inside it (``messages.0.role``)."""
-    param = error["param"] or ""
-    return param == expected or param.startswith(expected + ".")
+server = error_server_fixture("http_errors")
+http = http_fixture()
 
 
 # -- malformed bodies ---------------------------------------------------------------------
@@ -346,138 +290,6 @@ def test_unknown_model_is_404_model_not_found(http, path, body):
     assert error["param"] == "model"
 
 
-# -- body size ----------------------------------------------------------------------------
-
-def big_body() -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "x" * 10_000}]}
-
-
-def test_body_over_the_limit_is_413(http):
-    error = error_of(http.post("/v1/chat/completions", json=big_body()), 413)
-    assert error["code"] == "payload_too_large"
-
-
-def test_chunked_body_growing_past_the_limit_is_413(http):
-    def chunks() -> Iterator[bytes]:
-        for _ in range(10):
-            yield b" " * 1024  # JSON whitespace: the body only grows, never completes
-
-    response = http.post("/v1/chat/completions", content=chunks(),
-                         headers={"content-type": "application/json"})
-    assert "content-length" not in response.request.headers
-    assert response.request.headers["transfer-encoding"] == "chunked"
-    assert error_of(response, 413)["code"] == "payload_too_large"
-
-
-def raw_exchange(server: ServerProcess, head: bytes, body_parts: list[bytes],
-                 timeout: float = 5.0) -> bytes:
-    """Send a request head and some body bytes, never finish the body; read the reply."""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
-        sock.sendall(head)
-        for part in body_parts:
-            sock.sendall(part)
-        reply = b""
-        while b"\r\n\r\n" not in reply:
-            data = sock.recv(65536)  # socket timeout bounds this
-            if not data:
-                break
-            reply += data
-        return reply
-
-
-def test_declared_content_length_over_the_limit_is_refused_before_the_body(server):
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 10000000\r\n\r\n")
-    reply = raw_exchange(server, head, [])  # no body byte is ever sent
-    assert reply.startswith(b"HTTP/1.1 413"), reply
-
-
-def test_limit_is_enforced_while_reading_not_after(server):
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
-    parts = [b"400\r\n" + b" " * 1024 + b"\r\n" for _ in range(3)]  # 3 KiB, body left open
-    started = time.monotonic()
-    reply = raw_exchange(server, head, parts)
-    assert reply.startswith(b"HTTP/1.1 413"), reply
-    assert time.monotonic() - started < 2.0
-
-
-def test_a_body_that_stops_arriving_is_408_and_the_connection_closes(server):
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(head + b'{"messages"')  # 11 of the 100 bytes, then nothing
-        reply = b""
-        while data := sock.recv(65536):  # the socket's timeout bounds each wait
-            reply += data  # until the server closes the connection
-    status, _, rest = reply.partition(b"\r\n")
-    assert status == b"HTTP/1.1 408 Request Timeout", reply
-    headers, _, body = rest.partition(b"\r\n\r\n")
-    assert b"connection: close" in headers.lower()
-    error = json.loads(body)["error"]
-    assert error["code"] == "request_timeout"
-    assert f"within {BODY_TIMEOUT:g} s" in error["message"]
-
-
-def test_bodies_read_at_once_have_a_budget(server, http):
-    def in_flight() -> float:
-        return float(re.search(r"^mlx_serve_request_body_bytes_in_flight (\S+)$",
-                               http.get("/metrics").text, re.MULTILINE).group(1))
-
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 2000\r\n\r\n")
-    body = {"model": MODEL, "messages": HI, "max_tokens": 1, "user": "u" * 1400}
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(head + b" " * 1900)  # 1,900 of its 2,000 bytes, held open
-        deadline = time.monotonic() + TIMEOUT
-        while in_flight() < 1900:
-            assert time.monotonic() < deadline, "the held body was never counted"
-            time.sleep(0.02)
-        refused = http.post("/v1/chat/completions", json=body)
-    error = error_of(refused, 429)
-    assert error["code"] == "server_overloaded" and refused.headers["retry-after"] == "1"
-    assert refused.headers["connection"] == "close"
-    deadline = time.monotonic() + TIMEOUT
-    while in_flight() > 0:  # the held body's client has gone
-        assert time.monotonic() < deadline, "the held body was never given back"
-        time.sleep(0.02)
-    assert http.post("/v1/chat/completions", json=body).status_code == 200
-
-
-def test_a_connection_that_never_sends_a_whole_head_is_closed(server):
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost:")
-        assert sock.recv(65536) == b""  # closed, no reply; the socket's timeout bounds it
-    assert "no complete request head within 3 s" in server.log_text()
-
-
-def test_a_client_leaving_inside_its_body_counts_as_aborted(server, http):
-    def aborted() -> float:
-        metrics = http.get("/metrics").text
-        return float(re.search(r"^mlx_serve_request_aborted_total (\S+)$", metrics,
-                               re.MULTILINE).group(1))
-
-    before = aborted()
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-        sock.sendall(head + b'{"messages"')
-    deadline = time.monotonic() + TIMEOUT
-    while aborted() == before:  # the server reads on, then sees the connection end
-        assert time.monotonic() < deadline, "the client's leaving was never counted"
-        time.sleep(0.02)
-    assert aborted() == before + 1
-    # No error counted or logged for it: the traceback check below reads the log.
-    assert 'request_errors_total{status="500"}' not in http.get("/metrics").text
-
-
-def test_body_just_under_the_limit_is_accepted(http):
-    body = {"model": MODEL, "messages": HI, "max_tokens": 1, "user": "u" * 1500}
-    response = http.post("/v1/chat/completions", json=body)
-    assert len(response.request.content) < MAX_BODY
-    assert response.status_code == 200, response.text
-
-
 # -- context length -----------------------------------------------------------------------
 
 def test_prompt_plus_max_tokens_over_the_context_is_400(http):
@@ -594,12 +406,7 @@ async def test_overload_answers_429_with_retry_after_at_once(server):
 # -- nothing above left a trace -----------------------------------------------------------
 
 def test_still_serving_and_no_traceback_in_the_log(server, http):
-    assert http.get("/health").json()["status"] == "ok"
-    response = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
-    assert response.status_code == 200
-    log = server.log_path.read_text(errors="replace")
-    assert "Traceback" not in log, server.log_text()
-    assert " 500 " not in log, server.log_text()
+    assert_serving_without_a_trace(server, http)
 
 
 def test_deeply_nested_json_is_400(http):
