@@ -112,12 +112,8 @@ async def sse_events(
                 tracker.first_output()
             if shape.chat:
                 await failpoints.acheck("sse.send", users)
-            # The chat's role chunks, or a completion's echoed prompts, come first (echoes
-            # with logprobs as soon as their scores come, with the choice's first delta).
-            echoes = {} if shape.echo_waits_for_scores else shape.echo
-            for chunk in ([shape.role_chunk(i) for i in range(choices)] if shape.chat else
-                          [shape.echo_chunk(i, prompt) for i, prompt in echoes.items()]):
-                yield _frame(json.dumps(chunk))
+            for frame in _opening_frames(shape, choices):
+                yield frame
             quiet = QuietPings(ping_seconds)
             async for event in handle:
                 # Everything that queued up meanwhile goes out in one write: when the
@@ -145,6 +141,15 @@ async def sse_events(
         finally:  # also when the client left: the generator is closed at a yield
             tell_tracker(tracker, state, error)
         yield b"data: [DONE]\n\n"
+
+
+def _opening_frames(shape: ReplyShape, choices: int) -> list[bytes]:
+    """The chat's role chunks, or a completion's echoed prompts: they come first (echoes
+    with logprobs come as soon as their scores do, with the choice's first delta)."""
+    if shape.chat:
+        return [_frame(json.dumps(shape.role_chunk(i))) for i in range(choices)]
+    echoes = {} if shape.echo_waits_for_scores else shape.echo
+    return [_frame(json.dumps(shape.echo_chunk(i, prompt))) for i, prompt in echoes.items()]
 
 
 def _event_frames(shape: ReplyShape, state: list[Choice], events: list[ReplyEvent]
