@@ -2,11 +2,14 @@
 
 Ratios are taken within a round (adjacent runs on the same prompts), then summarized
 across rounds: on a noisy machine, ratios measured side by side are the figures that
-count, never a lone absolute time.
+count, never a lone absolute time. For the headline figure, output tok/s, the report also
+gives how far the median can be trusted (a bootstrap interval over the rounds) and the
+rounds pooled (every round's tok/s summed), which weighs a round by its speed.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +78,31 @@ def pair_spread(rounds: list[dict[str, Any]], a: str, b: str, get: Getter
                    if (r := _ratio(get(s[a]), get(s[b]))) is not None])
 
 
+def median_interval(values: list[float], level: float = 0.90, resamples: int = 10_000,
+                    seed: int = 0) -> tuple[float, float]:
+    """The ``level`` percentile interval of the median, by resampling ``values`` (the
+    rounds) with replacement; seeded, so a saved run reprints the same interval."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return medians[int(tail * resamples)], medians[min(int((1 - tail) * resamples),
+                                                       resamples - 1)]
+
+
+def tok_s_summary(rounds: list[dict[str, Any]], a: str, b: str) -> dict[str, float] | None:
+    """a's output tok/s over b's: the median over rounds, its 90 % interval and the
+    rounds pooled (a's tok/s summed over b's)."""
+    pairs = [(s[a]["output_throughput"], s[b]["output_throughput"]) for s in rounds
+             if a in s and b in s and s[b]["output_throughput"]]
+    if not pairs:
+        return None
+    per_round = [x / y for x, y in pairs]
+    low, high = median_interval(per_round)
+    return {"n": len(pairs), "median": statistics.median(per_round), "low": low,
+            "high": high, "pooled": sum(x for x, _ in pairs) / sum(y for _, y in pairs)}
+
+
 def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """{concurrency: {metric: {"a/b": spread}}} from the flat list of runs."""
     out: dict[str, Any] = {}
@@ -85,6 +113,7 @@ def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
         table["failed"] = {name: sum(s[name]["failed"] for s in rounds if name in s)
                            for name in (ENGINE, OURS, MLX_LM)}
         table["health_p99_ms"] = {name: _max_health(rounds, name) for name in (OURS, MLX_LM)}
+        table["tok_s"] = {f"{a}/{b}": tok_s_summary(rounds, a, b) for a, b in PAIRS}
         out[str(conc)] = table
     return out
 
@@ -122,7 +151,19 @@ def format_ratios(table: dict[str, Any]) -> str:
         f, h = rows["failed"], rows["health_p99_ms"]
         health = " / ".join("-" if h[n] is None else f"{h[n]:.1f}" for n in (OURS, MLX_LM))
         lines.append(f"| {conc} | {f[ENGINE]} / {f[OURS]} / {f[MLX_LM]} | {health} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _tok_s_lines(table))
+
+
+def _tok_s_lines(table: dict[str, Any]) -> list[str]:
+    """Output tok/s by pair: rounds, median, its 90 % interval, the rounds pooled."""
+    lines = ["", "| conc | output tok/s | rounds | median | 90 % interval of the median "
+             "| rounds pooled |", "|---|---|---|---|---|---|"]
+    for conc, rows in table.items():
+        for pair, t in rows.get("tok_s", {}).items():
+            if t is not None:
+                lines.append(f"| {conc} | {pair} | {t['n']} | {t['median']:.2f} "
+                             f"| {t['low']:.2f}-{t['high']:.2f} | {t['pooled']:.2f} |")
+    return lines
 
 
 def format_runs(runs: list[dict[str, Any]]) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import time
@@ -268,13 +270,33 @@ def test_saved_ab_runs_are_reprinted_and_pooled_round_by_round(tmp_path, capsys)
     first.write_text(json.dumps(_saved_ab("A", [(100.0, 50.0), (100.0, 70.0)])))
     second.write_text(json.dumps(_saved_ab("B", [(300.0, 270.0)])))
     assert report.main([str(first)]) == 0
-    assert "| 1 | output tok/s | 0.60 [0.50-0.70] |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 1 | output tok/s | 0.60 [0.50-0.70] |" in out
+    # Two rounds: resampled medians are 0.5, 0.6 or 0.7; pooled 120 / 200 tok/s.
+    assert "| 1 | mlx_serve/engine | 2 | 0.60 | 0.50-0.70 | 0.60 |" in out
     assert report.main([str(first), str(second), "--runs"]) == 0
     out = capsys.readouterr().out
     # Each ratio stays within its round (B's round 0 is not paired with A's round 0).
     assert "every round of the 2 runs above, pooled:" in out
     assert "| 1 | output tok/s | 0.70 [0.50-0.90] |" in out
+    # Pooled, the fast machine's round weighs more: 390 / 500 tok/s.
+    assert "| 1 | mlx_serve/engine | 3 | 0.70 | 0.50-0.90 | 0.78 |" in out
     assert out.count("c=1") == 6  # --runs lists all six runs
+
+
+def test_the_interval_of_a_median_narrows_with_more_rounds_and_holds_the_median():
+    from benchmarks.report import median_interval
+
+    rng = random.Random(7)
+    few = [rng.gauss(1.0, 0.2) for _ in range(6)]
+    many = few + [rng.gauss(1.0, 0.2) for _ in range(90)]
+    for values in (few, many):
+        low, high = median_interval(values)
+        assert low <= statistics.median(values) <= high
+    assert median_interval(many)[1] - median_interval(many)[0] < \
+        median_interval(few)[1] - median_interval(few)[0]
+    assert median_interval([0.9] * 5) == (0.9, 0.9)
+    assert median_interval(few) == median_interval(few)  # seeded: a reprint is the same
 
 
 def test_the_live_buffer_probe_decodes_beside_held_and_churning_buffers(tiny_model_dir):
