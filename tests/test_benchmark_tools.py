@@ -74,6 +74,8 @@ def test_variants_parse_and_compare_against_the_first():
     runs = [run(0, "a", 100), run(0, "b", 150), run(1, "a", 200), run(1, "b", 220)]
     table = relative_table(runs, ["a", "b"])
     assert "| 4 | b | 1.30 [1.10-1.50] | 1.00 [1.00-1.00] |" in table
+    # b's tok/s over a's: rounds 1.5 and 1.1; pooled 370 / 300.
+    assert "| 4 | b | 2 | 1.30 | 1.10-1.50 | 1.23 |" in table
 
 
 def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
