@@ -40,7 +40,15 @@ from benchmarks.contenders import (
 )
 from benchmarks.host import describe
 from benchmarks.loadgen import Target, warm_up
-from benchmarks.report import METRICS, cell, pair_spread, rounds_by_concurrency, tok_s_summary
+from benchmarks.report import (
+    METRICS,
+    cell,
+    pair_spread,
+    rounds_by_concurrency,
+    tok_s_header,
+    tok_s_line,
+    tok_s_summary,
+)
 from benchmarks.server_load import measured_load
 from benchmarks.servers import (
     BatchConfig,
@@ -79,13 +87,11 @@ def relative_table(runs: list[dict[str, Any]], variants: list[str]) -> str:
         for variant in variants:
             cells = [cell(pair_spread(rounds, variant, variants[0], METRICS[m])) for m in SHOWN]
             lines.append(f"| {conc} | {variant} | " + " | ".join(cells) + " |")
-    lines += ["", "| conc | variant | rounds | output tok/s, median | 90 % interval of the median "
-              "| rounds pooled |", "|---|---|---|---|---|---|"]
+    lines += ["", *tok_s_header("variant")]
     for conc, rounds in by_conc.items():
         for variant in variants[1:]:
             if (t := tok_s_summary(rounds, variant, variants[0])) is not None:
-                lines.append(f"| {conc} | {variant} | {t['n']} | {t['median']:.2f} "
-                             f"| {t['low']:.2f}-{t['high']:.2f} | {t['pooled']:.2f} |")
+                lines.append(tok_s_line(conc, variant, t))
     return "\n".join(lines)
 
 

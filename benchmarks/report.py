@@ -154,16 +154,22 @@ def format_ratios(table: dict[str, Any]) -> str:
     return "\n".join(lines + _tok_s_lines(table))
 
 
+def tok_s_header(label: str) -> list[str]:
+    return [f"| conc | {label} | rounds | output tok/s, median | 90 % interval of the median "
+            "| rounds pooled |", "|---|---|---|---|---|---|"]
+
+
+def tok_s_line(conc: Any, label: str, t: dict[str, float]) -> str:
+    """One row of ``tok_s_summary``: rounds, median, its 90 % interval, the rounds pooled."""
+    return (f"| {conc} | {label} | {t['n']} | {t['median']:.2f} "
+            f"| {t['low']:.2f}-{t['high']:.2f} | {t['pooled']:.2f} |")
+
+
 def _tok_s_lines(table: dict[str, Any]) -> list[str]:
-    """Output tok/s by pair: rounds, median, its 90 % interval, the rounds pooled."""
-    lines = ["", "| conc | output tok/s | rounds | median | 90 % interval of the median "
-             "| rounds pooled |", "|---|---|---|---|---|---|"]
-    for conc, rows in table.items():
-        for pair, t in rows.get("tok_s", {}).items():
-            if t is not None:
-                lines.append(f"| {conc} | {pair} | {t['n']} | {t['median']:.2f} "
-                             f"| {t['low']:.2f}-{t['high']:.2f} | {t['pooled']:.2f} |")
-    return lines
+    """Output tok/s by pair, per concurrency."""
+    return ["", *tok_s_header("pair"),
+            *(tok_s_line(conc, pair, t) for conc, rows in table.items()
+              for pair, t in rows.get("tok_s", {}).items() if t is not None)]
 
 
 def format_runs(runs: list[dict[str, Any]]) -> str:
