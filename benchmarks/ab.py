@@ -85,6 +85,9 @@ class ABConfig:
     # One engine-harness process, the model loaded once, for every engine run (as the
     # servers stay loaded); False (or isolate) starts one per run.
     keep_engine: bool = True
+    # No new round starts after this many seconds of measured rounds, once each contender
+    # has gone first equally often (None: all ``rounds``).
+    time_limit: float | None = None
     # Before the first round, every contender serves one unmeasured run of the measured
     # shape at the largest concurrency: a short burst leaves each process to meet most
     # batch sizes and cache lengths (kernels, graphs, buffers) first in round 0.
@@ -121,7 +124,12 @@ class ABRunner:
         cfg = self.config
         if cfg.warm_run and not cfg.isolate:  # isolated runs start every process afresh
             self.warm_runs()
+        started = time.monotonic()
         for rnd in range(cfg.rounds):
+            if not round_may_start(rnd, len(cfg.targets), time.monotonic() - started,
+                                   cfg.time_limit):
+                print(f"time limit: {rnd} rounds", flush=True)
+                break
             for conc in cfg.concurrencies:
                 workload = cfg.workload(conc, cfg.seed + 1000 * rnd + conc)
                 prompts, warmup = self.prompts(workload)
@@ -202,6 +210,14 @@ class ABRunner:
 
 
 SERVER_COMMANDS = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
+
+
+def round_may_start(rnd: int, contenders: int, elapsed: float, limit: float | None) -> bool:
+    """Whether round ``rnd`` starts: always before ``limit`` seconds, and the first
+    cycle of the rotation always; after it, only to complete a cycle, so that every
+    contender has gone first equally often (the first in a round can read several %
+    apart from the second)."""
+    return limit is None or elapsed < limit or rnd % max(contenders, 1) != 0 or rnd == 0
 
 
 def start_server(name: str, config: ABConfig, model_path: str, workdir: Path,
@@ -286,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=None,
                    help="open loop: Poisson arrivals per second (concurrency is the cap)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="no new round after this many seconds of rounds, once every "
+                        "contender has gone first equally often (many short rounds: "
+                        "--rounds 100 --time-limit 300)")
     add_shape_args(p)
     p.add_argument("--requests-per-stream", type=int, default=4,
                    help="a run sends max(--min-requests, this x concurrency) requests")
@@ -346,7 +366,8 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
         isolate=args.isolate,
         engine_one_array_logprobs=args.engine_one_array_logprobs,
         engine_early_decode_join=args.engine_early_decode_join,
-        keep_engine=args.engine_process == "kept", warm_run=args.warm_run)
+        keep_engine=args.engine_process == "kept", warm_run=args.warm_run,
+        time_limit=args.time_limit)
 
 
 def main(argv: list[str] | None = None) -> int:

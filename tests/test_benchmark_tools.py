@@ -78,6 +78,20 @@ def test_variants_parse_and_compare_against_the_first():
     assert "| 4 | b | 2 | 1.30 | 1.10-1.50 | 1.23 |" in table
 
 
+def test_rounds_stop_at_the_time_limit_once_each_contender_has_gone_first_as_often():
+    from benchmarks.ab import round_may_start
+
+    assert all(round_may_start(rnd, 2, 1e9, None) for rnd in range(10))  # no limit
+    assert round_may_start(4, 2, 99.0, 100.0)  # before the limit, any round
+    assert not round_may_start(4, 2, 100.0, 100.0)  # after it, not a new cycle...
+    assert round_may_start(5, 2, 150.0, 100.0)  # ...but a cycle begun is completed
+    assert round_may_start(1, 3, 150.0, 100.0) and round_may_start(2, 3, 150.0, 100.0)
+    assert not round_may_start(3, 3, 150.0, 100.0)
+    # A zero limit still runs one whole cycle: a result, each contender first once.
+    assert round_may_start(0, 2, 1.0, 0.0) and round_may_start(1, 2, 2.0, 0.0)
+    assert not round_may_start(2, 2, 3.0, 0.0)
+
+
 def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
         tiny_model_dir, tmp_path, monkeypatch):
     import httpx
