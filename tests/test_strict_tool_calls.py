@@ -189,4 +189,3 @@ def test_a_strict_schema_that_cannot_be_enforced_is_a_400_naming_why(agentic_ser
     # The same schema without strict is served: its arguments are not held to it.
     lookahead[0]["function"]["strict"] = False
     assert chat(agentic_server, tools=lookahead).status_code == 200
-

@@ -130,4 +130,3 @@ class _LazyCallProcessor:
             self._mask = None
             if token == self._fmt.end:
                 self._matcher = None
-
