@@ -360,3 +360,27 @@ def test_the_device_touch_probe_measures_every_pattern():
     for fn in found.values():
         wall, cpu, faults = measure(fn, calls=3)
         assert wall > 0 and cpu >= 0 and faults >= 0
+
+
+def test_the_hop_probe_times_the_event_loop_for_the_bare_hop_and_the_actor(tmp_path, capsys):
+    import json
+
+    from benchmarks.actor_hop import TokenRunner, main
+
+    runner = TokenRunner(tokens=2, step_s=0.0, mode="sleep")
+    request = type("Request", (), {"request_id": "a"})()
+    first = runner.step([request], ())
+    last = runner.step([], ())
+    assert [d.finish_reason for _, d in first.deltas + last.deltas] == [None, "length"]
+    assert runner.live_ids() == []
+
+    out = tmp_path / "hop.json"
+    assert main(["--step-ms", "0.2", "--requests", "4", "--tokens", "8", "--concurrency", "2",
+                 "--mode", "busy", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["bare"]["steps"] == 1000  # at least as many as read the CPU clock well
+    # Two streams of 8 tokens, twice: 16 steps if they always overlap, 32 if never.
+    assert 16 <= result["actor"]["steps"] <= 32
+    assert result["bare"]["cpu_us"] > 0 and result["actor"]["cpu_us"] > 0
+    table = capsys.readouterr().out
+    assert "| bare | 1000 |" in table and f"| actor | {result['actor']['steps']} |" in table
