@@ -99,7 +99,8 @@ class ThreadClock:
                 "voluntary_switches": round((end.ru_nvcsw - self._start.ru_nvcsw) / n, 3)}
 
 
-async def bare_hop(steps: int, step_s: float, mode: str) -> dict[str, float]:
+async def bare_hop(steps: int, step_s: float, mode: str, time_limit: float
+                   ) -> dict[str, float]:
     """``steps`` reports from a thread, each resolving the future a task waits on."""
     loop = asyncio.get_running_loop()
     seen = 0
@@ -116,12 +117,16 @@ async def bare_hop(steps: int, step_s: float, mode: str) -> dict[str, float]:
             _pause(step_s, mode)
             loop.call_soon_threadsafe(report)
 
+    async def every_report() -> None:
+        nonlocal waiter
+        while seen < steps:
+            waiter = loop.create_future()
+            await waiter
+
     clock = ThreadClock()
     thread = threading.Thread(target=producer, daemon=True)
     thread.start()
-    while seen < steps:
-        waiter = loop.create_future()
-        await waiter
+    await asyncio.wait_for(every_report(), time_limit)
     figures = clock.per_step(steps)
     thread.join()
     return figures
@@ -152,7 +157,7 @@ async def actor_hop(args: argparse.Namespace) -> dict[str, float]:
 
     try:
         await asyncio.wait_for(engine.ready.wait(), args.time_limit)
-        await asyncio.wait_for(client(1), args.time_limit)  # warm: first steps, first frames
+        await asyncio.wait_for(client(1), args.time_limit)  # warm: the first steps
         first = engine.statistics().steps
         clock = ThreadClock()
         shares = [args.requests // args.concurrency + (i < args.requests % args.concurrency)
@@ -169,7 +174,7 @@ async def actor_hop(args: argparse.Namespace) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     # About as many reports as the actor's steps, and enough to read the CPU clock by.
     steps = max(args.requests * args.tokens // max(args.concurrency, 1), 1000)
-    bare = uvloop.run(bare_hop(steps, args.step_ms / 1e3, args.mode))
+    bare = uvloop.run(bare_hop(steps, args.step_ms / 1e3, args.mode, args.time_limit))
     actor = uvloop.run(actor_hop(args))
     return {"argv": sys.argv[1:], "mode": args.mode, "step_ms": args.step_ms,
             "concurrency": args.concurrency, "bare": bare, "actor": actor}
