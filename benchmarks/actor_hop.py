@@ -1,9 +1,9 @@
 """What the per-step hop to the event loop costs it, with no model in the way.
 
 At one stream on a GPU a batch step is bound by the CPU thread that builds it, and the
-event loop's work for that step runs on the same interpreter lock: every microsecond of
-it lengthens the step. This tool measures that work alone, on the calling thread's own
-CPU clock (user and system time, voluntary context switches):
+event loop's work for that step runs on the same interpreter lock, where it can lengthen
+the step. This tool measures that work alone, on the event loop thread's own CPU clock
+(user and system time, voluntary context switches):
 
 - ``bare``: a thread reports each "step" to a uvloop event loop with
   ``call_soon_threadsafe``, whose callback resolves the future a task waits on. The
