@@ -3,7 +3,7 @@
 At one stream on a GPU a batch step is bound by the CPU thread that builds it, and the
 event loop's work for that step runs on the same interpreter lock, where it can lengthen
 the step. This tool measures that work alone, on the event loop thread's own CPU clock
-(user and system time, voluntary context switches):
+(with its voluntary context switches: its blocking waits):
 
 - ``bare``: a thread reports each "step" to a uvloop event loop with
   ``call_soon_threadsafe``, whose callback resolves the future a task waits on. The
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import resource
 import sys
 import threading
 import time
@@ -34,15 +33,12 @@ from typing import Any
 
 import uvloop
 
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+from benchmarks.layers import python_work
+from benchmarks.thread_detail import per_step, read_thread
 
 
 def _pause(seconds: float, mode: str) -> None:
-    (_spin if mode == "busy" else time.sleep)(seconds)
+    (python_work if mode == "busy" else time.sleep)(seconds)
 
 
 class TokenRunner:
@@ -83,20 +79,19 @@ class TokenRunner:
 
 
 class ThreadClock:
-    """The calling thread's CPU time and voluntary switches between two readings."""
+    """The calling thread's CPU time (``time.thread_time``, exact where ``/proc``'s ticks
+    are 10 ms) and blocking waits (``thread_detail``'s voluntary switches) between two
+    readings."""
 
     def __init__(self) -> None:
-        self._start = resource.getrusage(resource.RUSAGE_THREAD)
+        self._tid = threading.get_native_id()
+        self._cpu, self._counters = time.thread_time(), read_thread(self._tid)
 
     def per_step(self, steps: int) -> dict[str, float]:
-        end = resource.getrusage(resource.RUSAGE_THREAD)
-        n = max(steps, 1)
-        user, system = end.ru_utime - self._start.ru_utime, end.ru_stime - self._start.ru_stime
-        # The kernel splits a thread's time into user and system by ticks, so only their
-        # sum is exact over short runs; both parts are kept for longer ones.
-        return {"steps": steps, "cpu_us": round((user + system) / n * 1e6, 2),
-                "user_us": round(user / n * 1e6, 2), "system_us": round(system / n * 1e6, 2),
-                "voluntary_switches": round((end.ru_nvcsw - self._start.ru_nvcsw) / n, 3)}
+        cpu = time.thread_time() - self._cpu
+        counters = per_step(self._counters, read_thread(self._tid), steps) or {}
+        return {"steps": steps, "cpu_us": round(cpu / max(steps, 1) * 1e6, 2),
+                "voluntary_switches": counters.get("voluntary", float("nan"))}
 
 
 async def bare_hop(steps: int, step_s: float, mode: str, time_limit: float
@@ -206,8 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not hasattr(resource, "RUSAGE_THREAD"):
-        raise SystemExit("needs per-thread CPU times (Linux)")
     result = measure(args)
     print(format_result(result))
     if args.json:

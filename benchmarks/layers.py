@@ -233,7 +233,7 @@ class Layers:
                             raise RuntimeError(f"actor: {event.error}")
                         tokens += event.token_count
                         if work_s:
-                            _python_work(work_s)
+                            python_work(work_s)
                         if event.finish_reason is not None:
                             break
 
@@ -249,7 +249,7 @@ class Layers:
             await actor
 
 
-def _python_work(seconds: float) -> None:
+def python_work(seconds: float) -> None:
     """Hold the interpreter lock in plain Python for ``seconds``, as a client's
     per-token work would (the lock can still be taken away at a switch interval)."""
     end = time.perf_counter() + seconds
