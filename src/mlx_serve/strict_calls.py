@@ -48,10 +48,9 @@ def json_calls(functions: Sequence[FunctionDefinition] | None, tokenizer: Any,
                json_answer: bool = False) -> dict | None:
     """How this model's calls to ``functions`` are held to a grammar: the markers' token
     ids, one call's schema, and whether the calls are JSON in a format that is not the
-    model's own (``as_json``). None when nothing asks
-    for a grammar (no strict function, no ``json_answer``: a JSON ``response_format``
-    beside the tools), so that the model writes its calls its own way, or when the
-    markers are not one token each."""
+    model's own (``as_json``). None when nothing asks for a grammar (no strict function,
+    no ``json_answer``: a JSON ``response_format`` beside the tools), so that the model
+    writes its calls its own way, or when the markers are not one token each."""
     strict = any(f.strict for f in functions or ())
     if not functions or not (strict or json_answer):
         return None
