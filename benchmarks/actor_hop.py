@@ -33,6 +33,7 @@ from typing import Any
 
 import uvloop
 
+from benchmarks.environment import describe
 from benchmarks.layers import python_work
 from benchmarks.thread_detail import per_step, read_thread
 
@@ -166,13 +167,15 @@ async def actor_hop(args: argparse.Namespace) -> dict[str, float]:
         mlx.stop(timeout=10)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     # About as many reports as the actor's steps, and enough to read the CPU clock by.
     steps = max(args.requests * args.tokens // max(args.concurrency, 1), 1000)
     bare = uvloop.run(bare_hop(steps, args.step_ms / 1e3, args.mode, args.time_limit))
     actor = uvloop.run(actor_hop(args))
-    return {"argv": sys.argv[1:], "mode": args.mode, "step_ms": args.step_ms,
-            "concurrency": args.concurrency, "bare": bare, "actor": actor}
+    # The date, machine and commit, as every other benchmark's results carry them.
+    return {"meta": describe(argv, "", "benchmarks.actor_hop"), "mode": args.mode,
+            "step_ms": args.step_ms, "concurrency": args.concurrency,
+            "bare": bare, "actor": actor}
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -200,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    result = measure(args)
+    result = measure(args, argv)
     print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:
