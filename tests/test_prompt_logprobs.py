@@ -154,6 +154,52 @@ def test_a_one_token_prompt_has_nothing_to_score(http):
     assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(http, prompt_ids):
+    """OpenAI's legacy way to score a prompt (older evaluation harnesses send it): the
+    reply is the echoed prompt and its scores, with no token of its own."""
+    alone = complete(http, prompt=PROMPT, max_tokens=0, logprobs=2, echo=True)
+    going_on = complete(http, prompt=PROMPT, max_tokens=1, logprobs=2, echo=True)
+    choice, reference = alone["choices"][0], going_on["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    lp, ref = choice["logprobs"], reference["logprobs"]
+    assert len(lp["tokens"]) == len(prompt_ids)
+    for key in ("tokens", "top_logprobs", "text_offset"):
+        assert lp[key] == ref[key][:-1], key
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(ref["token_logprobs"][1:-1], abs=1e-6)
+    assert alone["usage"]["completion_tokens"] == 0
+    assert alone["usage"]["prompt_tokens"] == alone["usage"]["total_tokens"] == len(prompt_ids)
+    # Without logprobs, and for several prompts and choices: each echo, nothing more.
+    several = complete(http, prompt=[PROMPT, "The sea"], n=2, max_tokens=0, echo=True)
+    assert [(c["index"], c["text"], c["logprobs"], c["finish_reason"])
+            for c in several["choices"]] == [
+        (i, PROMPT if i < 2 else "The sea", None, "length") for i in range(4)]
+
+
+def test_max_tokens_0_with_echo_streams_the_prompt_then_the_end(server):
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    chunks = list(client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=0, temperature=0, logprobs=1, echo=True,
+        stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts == [PROMPT, ""]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices] == [None, "length"]
+    scored = [v for c in chunks if c.choices for v in c.choices[0].logprobs.token_logprobs]
+    assert scored[0] is None and all(isinstance(v, float) for v in scored[1:])
+    assert chunks[-1].usage.completion_tokens == 0
+
+
+@pytest.mark.parametrize("body", [{"max_tokens": 0}, {"max_tokens": 0, "logprobs": 1},
+                                  {"max_tokens": 0, "echo": True, "min_tokens": 1}])
+def test_max_tokens_0_asks_for_nothing_without_echo(http, body):
+    reply = http.post("/v1/completions", json={"prompt": PROMPT, **body})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    param = "min_tokens" if "min_tokens" in body else "max_tokens"
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert "at least 1" in error["message"] or "min_tokens" in error["message"]
+
+
 def test_scores_do_not_depend_on_chunks_or_neighbours(tiny_model_dir):
     """In-process: prompts scored alone in one chunk, in chunks of 3, or right-padded
     beside others give the same scores, and each leaves the KV its continuation needs."""

@@ -251,6 +251,9 @@ class CompletionRequest(_Request):
                     Field(min_length=1, max_length=128)]
     )
     echo: bool = False
+    # 0 asks for the echoed prompt (and its scores) alone, as OpenAI's legacy API allowed;
+    # without echo it is refused where the reply is built.
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

@@ -329,18 +329,36 @@ async def build_completion_request(
     # vLLM's prompt_logprobs asks for them on their own. Scored once, for both.
     asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs)
              if k is not None]
+    prompt_only = _prompt_only(body)
     output = OutputOptions(logprobs=body.logprobs, keep_leading_space=True,
                            skip_special_tokens=body.skip_special_tokens,
                            response_format=await compile_format(body, runner),
                            prompt_logprobs=max(asked) if asked else None,
-                           prompt_ranks=body.prompt_logprobs is not None)
+                           prompt_ranks=body.prompt_logprobs is not None,
+                           prompt_only=prompt_only)
+    # The prompt only still runs one step: its one token is sampled, then dropped.
+    max_tokens = 1 if prompt_only else body.max_tokens
     reqs: list[GenerationRequest] = []
     for i, prompt in enumerate(prompts):  # OpenAI numbers choices prompt by prompt
-        params = sampling_params(body, body.max_tokens, len(prompt), runner, settings)
+        params = sampling_params(body, max_tokens, len(prompt), runner, settings)
         reqs += choices(request_id, prompt, params, body.n, i * body.n, body.user, output)
     echo = _echoes(body, prompts, runner) if body.echo else {}
     return Prepared(tuple(reqs), sum(len(p) for p in prompts), body.logprobs, echo=echo,
                     prompt_logprobs=body.prompt_logprobs)
+
+
+def _prompt_only(body: CompletionRequest) -> bool:
+    """Whether the reply is the echoed prompt alone (``max_tokens`` 0, OpenAI's legacy
+    way to score a prompt); 0 asks for nothing without ``echo``."""
+    if body.max_tokens != 0:
+        return False
+    if not body.echo:
+        raise RequestError("'max_tokens' must be at least 1 (0 is for scoring the prompt, "
+                           "with 'echo': true)", param="max_tokens")
+    if body.min_tokens:
+        raise RequestError(f"'min_tokens' ({body.min_tokens}) must be at most max_tokens (0)",
+                           param="min_tokens")
+    return True
 
 
 def _echoes(body: CompletionRequest, prompts: list[list[int]], runner: Any) -> dict[int, str]:
