@@ -189,6 +189,21 @@ def test_max_tokens_0_with_echo_streams_the_prompt_then_the_end(server):
     assert chunks[-1].usage.completion_tokens == 0
 
 
+def test_max_tokens_0_with_prompt_logprobs_gives_the_scores_alone(http, prompt_ids):
+    alone = complete(http, prompt=prompt_ids, max_tokens=0, prompt_logprobs=2)
+    going_on = complete(http, prompt=prompt_ids, max_tokens=1, prompt_logprobs=2)
+    choice = alone["choices"][0]
+    assert choice["text"] == "" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] is None and alone["usage"]["completion_tokens"] == 0
+    positions, reference = choice["prompt_logprobs"], going_on["choices"][0]["prompt_logprobs"]
+    assert len(positions) == len(prompt_ids) and positions[0] is None
+    for entry, ref in zip(positions[1:], reference[1:], strict=True):
+        assert entry.keys() == ref.keys()
+        for token, e in entry.items():
+            assert e["rank"] == ref[token]["rank"]
+            assert e["logprob"] == pytest.approx(ref[token]["logprob"], abs=1e-6)
+
+
 @pytest.mark.parametrize("body", [{"max_tokens": 0}, {"max_tokens": 0, "logprobs": 1},
                                   {"max_tokens": 0, "echo": True, "min_tokens": 1}])
 def test_max_tokens_0_asks_for_nothing_without_echo(http, body):

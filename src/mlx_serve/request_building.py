@@ -348,13 +348,14 @@ async def build_completion_request(
 
 
 def _prompt_only(body: CompletionRequest) -> bool:
-    """Whether the reply is the echoed prompt alone (``max_tokens`` 0, OpenAI's legacy
-    way to score a prompt); 0 asks for nothing without ``echo``."""
+    """Whether the reply is about the prompt alone: ``max_tokens`` 0 with ``echo``
+    (OpenAI's legacy way to score a prompt) or with vLLM's ``prompt_logprobs``. Without
+    either, 0 asks for nothing."""
     if body.max_tokens != 0:
         return False
-    if not body.echo:
-        raise RequestError("'max_tokens' must be at least 1 (0 is for scoring the prompt, "
-                           "with 'echo': true)", param="max_tokens")
+    if not body.echo and body.prompt_logprobs is None:
+        raise RequestError("'max_tokens' must be at least 1 (0 scores the prompt alone, "
+                           "with 'echo' or 'prompt_logprobs')", param="max_tokens")
     if body.min_tokens:
         raise RequestError(f"'min_tokens' ({body.min_tokens}) must be at most max_tokens (0)",
                            param="min_tokens")
