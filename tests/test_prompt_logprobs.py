@@ -204,15 +204,18 @@ def test_max_tokens_0_with_prompt_logprobs_gives_the_scores_alone(http, prompt_i
             assert e["logprob"] == pytest.approx(ref[token]["logprob"], abs=1e-6)
 
 
-@pytest.mark.parametrize("body", [{"max_tokens": 0}, {"max_tokens": 0, "logprobs": 1},
-                                  {"max_tokens": 0, "echo": True, "min_tokens": 1}])
-def test_max_tokens_0_asks_for_nothing_without_echo(http, body):
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"max_tokens": 0}, "max_tokens", "must be at least 1"),
+    ({"max_tokens": 0, "logprobs": 1}, "max_tokens", "must be at least 1"),
+    ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens", "at most max_tokens (0)"),
+])
+def test_max_tokens_0_asks_for_nothing_without_echo_or_prompt_logprobs(http, body, param,
+                                                                       says):
     reply = http.post("/v1/completions", json={"prompt": PROMPT, **body})
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
-    param = "min_tokens" if "min_tokens" in body else "max_tokens"
     assert error["param"] == param and error["type"] == "invalid_request_error"
-    assert "at least 1" in error["message"] or "min_tokens" in error["message"]
+    assert says in error["message"], error
 
 
 def test_scores_do_not_depend_on_chunks_or_neighbours(tiny_model_dir):

@@ -57,8 +57,9 @@ class OutputOptions:
     # each token's rank in the vocabulary as well (vLLM's format has it).
     prompt_logprobs: int | None = None
     prompt_ranks: bool = False
-    # Completions' echo with max_tokens 0: the prompt is run (and scored) for its one
-    # sampled token, which the reply drops; it ends as "length" with no tokens.
+    # Completions' max_tokens 0 (with echo or prompt_logprobs): the prompt is run (and
+    # scored) for its one sampled token, which the reply drops; it ends as "length"
+    # with no tokens.
     prompt_only: bool = False
     # A compiled response format (runner.structured.CompiledFormat): it does change the
     # sampled tokens, but only the runner knows how to apply it.

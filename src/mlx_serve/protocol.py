@@ -251,8 +251,8 @@ class CompletionRequest(_Request):
                     Field(min_length=1, max_length=128)]
     )
     echo: bool = False
-    # 0 asks for the echoed prompt (and its scores) alone, as OpenAI's legacy API allowed;
-    # without echo it is refused where the reply is built.
+    # 0 asks for the prompt alone: its echo (OpenAI's legacy API allowed it) or its
+    # prompt_logprobs; with neither it is refused where the request is built.
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
