@@ -16,13 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machine
 
 from mlx_serve.failpoints import FailPoints
-from mlx_serve.generation import (
-    Delta,
-    FinishReason,
-    GenerationRequest,
-    SamplingParams,
-    StepOutcome,
-)
+from mlx_serve.generation import Delta, FinishReason, GenerationRequest, SamplingParams, StepOutcome
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
 from mlx_serve.runner.detokenizer import streaming_detokenizers
