@@ -168,6 +168,9 @@ COMPLETION_400 = [
     ({"prompt": [1.0]}, "prompt"),
     ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids"),
     ({"prompt": "hi", "suffix": "and then"}, "suffix"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, "response_format"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),

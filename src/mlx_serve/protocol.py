@@ -254,6 +254,8 @@ class CompletionRequest(_Request):
     # 0 asks for the prompt alone: its echo (OpenAI's legacy API allowed it) or its
     # prompt_logprobs; with neither it is refused where the request is built.
     max_tokens: Annotated[int, Field(ge=0)] | None = None
+    # Not in OpenAI's legacy API, but vLLM's completions take it as chat does.
+    response_format: ResponseFormat | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

@@ -176,7 +176,7 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
     if forced_call is not None:
         asked.append(("tool_choice", {"type": "json_schema", "json_schema": {
             "name": "tool_call", "schema": forced_call}, "param": "tool_choice"}))
-    fmt = getattr(body, "response_format", None)
+    fmt = body.response_format
     if fmt is not None and fmt.type != "text":
         asked.append(("response_format", fmt.model_dump(exclude_none=True)))
     if (guided := guided_format(body)) is not None:
