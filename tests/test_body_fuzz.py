@@ -35,7 +35,8 @@ CHAT = {
     "response_format": {"type": "text"}, "presence_penalty": 0.1, "logit_bias": {"5": 1},
     "min_tokens": 0, "top_k": 5, "stop_token_ids": [3], "skip_special_tokens": True}
 COMPLETION = {"model": "agentic", "prompt": "hello", "max_tokens": 3, "temperature": 0,
-              "echo": False, "logprobs": 1, "n": 1, "stop": None, "seed": 3, "user": "u"}
+              "echo": False, "logprobs": 1, "n": 1, "stop": None, "seed": 3, "user": "u",
+              "response_format": {"type": "text"}}
 RESPONSE = {
     "model": "agentic", "max_output_tokens": 3, "temperature": 0.5, "instructions": "brief",
     "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
