@@ -78,6 +78,10 @@ def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
         body["echo"] = True
         if rng.random() < 0.5:  # the prompt's own tokens are scored too
             body["logprobs"] = rng.randint(0, 4)
+        if rng.random() < 0.3 and "min_tokens" not in body:  # the prompt alone
+            body["max_tokens"] = 0
+    if rng.random() < 0.1 and not body.keys() & lengths.keys():
+        body["response_format"] = {"type": "json_object"}
     return COMPLETIONS, body
 
 
