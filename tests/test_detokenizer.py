@@ -38,6 +38,7 @@ def test_random_streams_detokenize_exactly_as_mlx_lm(tokenizer):
     assert isinstance(make(), TabledBPEStreamingDetokenizer)
     vocab = len(tokenizer._detokenizer.tokenmap)
     space = tokenizer._detokenizer.tokenmap.index("Ġ")  # the lone space mlx-lm holds
+    nul = tokenizer._detokenizer.tokenmap.index("Ā")  # the one byte decoded apart (below)
     rng = random.Random(0)
     held_back = 0
     for _ in range(400):
@@ -46,6 +47,7 @@ def test_random_streams_detokenize_exactly_as_mlx_lm(tokenizer):
         ids = [rng.choice([rng.randrange(vocab), rng.randrange(3, 259), space,
                            rng.randrange(3), vocab + rng.randrange(3)])
                for _ in range(rng.randrange(1, 40))]
+        ids = [t + 1 if t == nul else t for t in ids]
         every = rng.choice([1, 1, 2, 5])  # the runner reads after every token
         ours = _segments(make(), ids, every)
         theirs = _segments(tokenizer.detokenizer, ids, every)
@@ -54,10 +56,22 @@ def test_random_streams_detokenize_exactly_as_mlx_lm(tokenizer):
     assert held_back > 100  # the streams did hold text back, not only whole tokens
 
 
+def test_the_nul_bytes_token_is_nul_as_the_tokenizer_decodes_it(tokenizer):
+    """mlx-lm's streaming detokenizer writes it as its stand-in character "Ā"; the
+    tokenizer's own decode (and mlx-lm's finalize, and each token's logprobs text) give
+    the NUL byte, and so does the served text."""
+    nul = tokenizer._detokenizer.tokenmap.index("Ā")
+    ids = tokenizer.encode("hi") + [nul] + tokenizer.encode("there")
+    ours = _segments(streaming_detokenizers(tokenizer)(), ids)
+    assert ours[1] == tokenizer.decode(ids) == "hi\x00there"
+    assert _segments(tokenizer.detokenizer, ids)[1] == "hi\u0100there"  # mlx-lm's
+
+
 def test_a_long_reply_reads_the_same_text_piece_by_piece_and_whole(tokenizer):
     # The text is kept in pieces; what the segments add up to is the whole text.
     rng = random.Random(1)
-    ids = [rng.randrange(3, 512) for _ in range(3000)]
+    nul = tokenizer._detokenizer.tokenmap.index("Ā")  # decoded apart from mlx-lm (above)
+    ids = [t + 1 if t == nul else t for t in (rng.randrange(3, 512) for _ in range(3000))]
     ours, theirs = _segments(streaming_detokenizers(tokenizer)(), ids), \
         _segments(tokenizer.detokenizer, ids)
     assert ours == theirs

@@ -42,6 +42,21 @@ def test_chat_logprobs_report_the_sampled_token_and_sorted_alternatives(client):
         assert t.logprob == pytest.approx(values[0])  # greedy: the best one was sampled
 
 
+def test_a_nul_byte_token_reads_the_same_in_the_text_and_its_logprobs(client,
+                                                                       tiny_model_dir):
+    """The byte-level token of byte 0 ("Ā" in the vocabulary) is the NUL character in the
+    text, as in its logprobs and in the tokenizer's own decode, whole and streamed."""
+    vocab = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).get_vocab()
+    forced = {str(vocab["Ā"]): 100}
+    reply = client.completions.create(model="tiny", prompt="Once", max_tokens=3,
+                                      temperature=0, logprobs=0, logit_bias=forced)
+    choice = reply.choices[0]
+    assert choice.text == "\x00" * 3 and choice.logprobs.tokens == ["\x00"] * 3
+    streamed = client.completions.create(model="tiny", prompt="Once", max_tokens=3,
+                                         temperature=0, logit_bias=forced, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "\x00" * 3
+
+
 def test_streamed_chat_logprobs_cover_every_token(client):
     stream = chat(client, logprobs=True, top_logprobs=0, stream=True, logit_bias=NO_EOS)
     items = [t for chunk in stream for c in chunk.choices if c.logprobs

@@ -9,7 +9,10 @@ back, are computed once per tokenizer with mlx-lm's own rules, and a token costs
 bytes concatenation and one decode. The rules are mlx-lm's, line for line, as of the
 release ``decode_step`` mirrors (the tests compare the two on random streams; with any
 other mlx-lm its own detokenizer is used); only the tables and the way the text is kept
-differ.
+differ, and one byte: mlx-lm's ``add_token`` tests each looked-up byte for truth, so the
+token of the NUL byte came out as its stand-in character "Ā" (U+0100), where the
+tokenizer's own ``decode``, mlx-lm's ``finalize`` and a token's logprobs text give NUL.
+Here it is NUL.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ except ImportError:  # pragma: no cover
 
 
 def _token_bytes(text: str, byte_decoder: dict[str, int]) -> bytes:
-    """``text``'s bytes exactly as mlx-lm's ``_decode_bytes`` builds them."""
+    """``text``'s bytes as mlx-lm's ``_decode_bytes`` builds them, but for byte 0 (which
+    it takes for "not a byte" and writes as its stand-in character's UTF-8)."""
     out = bytearray()
     for c in text:
-        res = byte_decoder.get(c, False)
-        if res:  # byte 0 is falsy there too: it falls through to the character's UTF-8
+        res = byte_decoder.get(c)
+        if res is not None:
             out.append(res)
         else:
             out.extend(bytes(c, "utf-8"))
@@ -43,7 +47,8 @@ _PAST_THE_MAP = ("!", b"!", False)  # what mlx-lm adds for an id past its token 
 
 
 class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
-    """Gives exactly the text of mlx-lm's ``BPEStreamingDetokenizer``, faster.
+    """Gives the text of mlx-lm's ``BPEStreamingDetokenizer`` (NUL for the NUL byte's
+    token, where mlx-lm's gives "Ā"), faster.
 
     Built once from an existing one (sharing its token map); ``fresh()`` makes the
     per-request copies, as mlx-lm's ``TokenizerWrapper.detokenizer`` does. The text is
