@@ -73,6 +73,8 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     # vLLM extension: the prompt's own tokens scored, each with this many alternatives.
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Chat's; vLLM's completions take it too (OpenAI's legacy completions have none).
+    response_format: ResponseFormat | None = None
     # vLLM's structured outputs, and the older fields for them (guided.py).
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -224,7 +226,6 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: (Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
                   | None) = None
@@ -254,8 +255,6 @@ class CompletionRequest(_Request):
     # 0 asks for the prompt alone: its echo (OpenAI's legacy API allowed it) or its
     # prompt_logprobs; with neither it is refused where the request is built.
     max_tokens: Annotated[int, Field(ge=0)] | None = None
-    # Not in OpenAI's legacy API, but vLLM's completions take it as chat does.
-    response_format: ResponseFormat | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

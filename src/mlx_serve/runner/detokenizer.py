@@ -43,7 +43,7 @@ def _token_bytes(text: str, byte_decoder: dict[str, int]) -> bytes:
     return bytes(out)
 
 
-_PAST_THE_MAP = ("!", b"!", False)  # what mlx-lm adds for an id past its token map
+_PAST_THE_MAP = (b"!", False)  # what mlx-lm adds for an id past its token map
 
 
 class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
@@ -57,9 +57,9 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
     ``last_segment`` joins only the pieces not yet read; ``text`` joins them all.
     """
 
-    # Per token id: its text in the token map, its bytes, and whether it is the lone
-    # space that mlx-lm holds back (to drop it if the reply starts with it).
-    _entries: tuple[tuple[str, bytes, bool], ...]
+    # Per token id: its bytes, and whether it is the lone space that mlx-lm holds back
+    # (to drop it if the reply starts with it).
+    _entries: tuple[tuple[bytes, bool], ...]
 
     @classmethod
     def from_detokenizer(cls, prototype: BPEStreamingDetokenizer
@@ -67,8 +67,7 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
         made = cls.__new__(cls)
         made.tokenmap = prototype.tokenmap
         decoder = _byte_decoder()
-        made._entries = tuple((v, _token_bytes(v, decoder),
-                               len(v) == 1 and decoder.get(v[0]) == 32)
+        made._entries = tuple((_token_bytes(v, decoder), len(v) == 1 and decoder.get(v[0]) == 32)
                               for v in made.tokenmap)
         made.reset()
         return made
@@ -80,8 +79,7 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
 
     def reset(self) -> None:
         self.tokens = []
-        self._unflushed = ""  # the held-back tokens' text, as mlx-lm keeps it
-        self._pending = b""  # ... and their bytes
+        self._pending = b""  # the held-back tokens' bytes
         self._pieces: list[str] = []
         self._read = 0  # pieces already handed out by last_segment
         self._length = 0  # characters of text so far
@@ -113,10 +111,9 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
         try:
-            v, raw, hold = self._entries[token]
+            raw, hold = self._entries[token]
         except IndexError:  # mlx-lm's fallback for an id past the token map
-            v, raw, hold = _PAST_THE_MAP
-        self._unflushed += v
+            raw, hold = _PAST_THE_MAP
         pending = self._pending + raw
         text = pending.decode("utf-8", "replace")
         # As mlx-lm: wait for a multi-byte character's end, and past a lone space.
@@ -126,15 +123,13 @@ class TabledBPEStreamingDetokenizer(BPEStreamingDetokenizer):
             if text := self._maybe_trim_space(text):  # _emit, inline: once a token
                 self._pieces.append(text)
                 self._length += len(text)
-            self._unflushed = ""
             self._pending = b""
 
     def finalize(self) -> None:
-        # mlx-lm's: the held-back text through the byte table, as it stands.
-        decoder = _byte_decoder()
-        current = bytearray(decoder[c] for c in self._unflushed).decode("utf-8", "replace")
-        self._emit(self._maybe_trim_space(current))
-        self._unflushed = ""
+        # mlx-lm's: the held-back text, decoded. mlx-lm maps that text through the byte
+        # table again; the bytes are these (for a character outside the table, which
+        # only an odd added token could hold back, its lookup raises; here it is UTF-8).
+        self._emit(self._maybe_trim_space(self._pending.decode("utf-8", "replace")))
         self._pending = b""
 
 
