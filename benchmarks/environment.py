@@ -73,6 +73,13 @@ def _mlx_device() -> str | None:
     return out.stdout.strip() or None
 
 
+def interpreter_lock() -> bool:
+    """Whether this interpreter runs with its lock (always, except a free-threaded build
+    started or left without it)."""
+    is_enabled = getattr(sys, "_is_gil_enabled", None)
+    return True if is_enabled is None else bool(is_enabled())
+
+
 def describe(argv: list[str], model_path: str, module: str = "benchmarks.ab"
              ) -> dict[str, Any]:
     return {
@@ -81,6 +88,7 @@ def describe(argv: list[str], model_path: str, module: str = "benchmarks.ab"
         "model_path": model_path,
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                     "platform": platform.platform(), "python": platform.python_version(),
+                    "interpreter_lock": interpreter_lock(),
                     "mlx_device": _mlx_device()},
         # httptools and uvloop: what uvicorn serves with (h11 and asyncio without them).
         "versions": {p: _version(p) for p in ("mlx", "mlx-lm", "mlx-serve", "uvicorn",
