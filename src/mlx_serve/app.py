@@ -29,7 +29,7 @@ from mlx_serve.engine_setup import (
 )
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.http_errors import EXCEPTION_HANDLERS
-from mlx_serve.http_stack import log_http_stack
+from mlx_serve.http_stack import log_http_stack, log_interpreter_lock
 from mlx_serve.metrics import ServerMetrics
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import DEFAULT_MODEL_ID
@@ -86,6 +86,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log_http_stack()
+        log_interpreter_lock()
         mlx: MLXThread | None = None
         engine: Engine | RemoteEngine
         if settings.engine_process:  # the engine and its MLX thread run in a child
