@@ -87,3 +87,35 @@ async def test_the_mlx_thread_takes_its_niceness_and_the_caller_keeps_its_own():
     finally:
         mlx.stop(timeout=10)
         default.stop(timeout=10)
+
+
+@pytest.mark.anyio
+async def test_the_exit_job_runs_on_the_thread_after_its_last_job_and_stop_waits_for_it():
+    ran: list[tuple[str, int]] = []
+    mlx = MLXThread(on_exit=lambda: ran.append(("exit", threading.get_native_id())))
+    with anyio.fail_after(10):
+        await mlx.call(lambda: ran.append(("job", threading.get_native_id())))
+    mlx.stop(timeout=10)
+    assert [what for what, _ in ran] == ["job", "exit"]
+    assert ran[0][1] == ran[1][1] == mlx.native_id
+
+
+def test_an_exit_job_that_raises_is_logged_and_the_thread_still_ends(caplog):
+    mlx = MLXThread(on_exit=lambda: 1 / 0)
+    mlx.stop(timeout=10)
+    assert not mlx._thread.is_alive()
+    assert "exit job failed" in caplog.text and "ZeroDivisionError" in caplog.text
+
+
+def test_the_servers_mlx_thread_releases_its_mlx_streams_on_itself(monkeypatch):
+    import mlx.core as mx
+
+    from mlx_serve.config import Settings
+    from mlx_serve.engine_setup import mlx_thread
+
+    released: list[int] = []
+    monkeypatch.setattr(mx, "clear_streams", lambda: released.append(threading.get_native_id()))
+    mlx = mlx_thread(Settings())
+    assert mlx.submit(lambda: mx.eval(mx.arange(4) * 2)).result(timeout=10) is None
+    mlx.stop(timeout=10)
+    assert released == [mlx.native_id]

@@ -25,6 +25,7 @@ from mlx_serve.engine_setup import (
     engine_config,
     freeze_startup_heap,
     make_loader,
+    mlx_thread,
     warm_structured_output,
 )
 from mlx_serve.failpoints import FailPoints
@@ -92,7 +93,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         if settings.engine_process:  # the engine and its MLX thread run in a child
             engine = RemoteEngine(settings)
         else:
-            mlx = MLXThread(nice=settings.mlx_thread_nice)
+            mlx = mlx_thread(settings)
             engine = Engine(make_loader(settings, failpoints), engine_config(settings), mlx)
         responses = ResponseStore(settings.responses_store_bytes)
         bodies = BodyBudget(settings.max_body_bytes_in_flight)

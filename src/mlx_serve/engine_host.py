@@ -34,6 +34,7 @@ from mlx_serve.engine_setup import (
     engine_config,
     freeze_startup_heap,
     make_loader,
+    mlx_thread,
     warm_structured_output,
 )
 from mlx_serve.engine_wire import (
@@ -47,7 +48,6 @@ from mlx_serve.engine_wire import (
 from mlx_serve.errors import MLXServeError
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Failure, GenerationRequest, ReplyEvent
-from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.reply_channel import ReplyChannel
 
 log = logging.getLogger("mlx_serve.engine_host")
@@ -112,7 +112,7 @@ class EngineHost:
         self._settings = settings
         self._sock = sock
         self.failpoints = FailPoints.from_spec(settings.failpoints)
-        self._mlx = MLXThread(nice=settings.mlx_thread_nice)
+        self._mlx = mlx_thread(settings)
         self.engine = Engine(make_loader(settings, self.failpoints), engine_config(settings),
                              self._mlx)
         self._replies: dict[int, ForwardingReply] = {}

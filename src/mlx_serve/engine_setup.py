@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 from typing import Any
 
 import anyio
@@ -11,10 +12,23 @@ import anyio
 from mlx_serve.config import Settings
 from mlx_serve.engine_state import EngineConfig
 from mlx_serve.failpoints import FailPoints
+from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import resolve_model
 from mlx_serve.preload import jemalloc_active, openblas_active
 
 log = logging.getLogger("mlx_serve")
+
+
+def mlx_thread(settings: Settings) -> MLXThread:
+    """The one MLX thread, which releases its MLX streams before it ends."""
+    return MLXThread(nice=settings.mlx_thread_nice, on_exit=_release_mlx_streams)
+
+
+def _release_mlx_streams() -> None:
+    if "mlx.core" in sys.modules:  # nothing to release where no model was ever loaded
+        from mlx_serve.runner.streams import release_thread_streams
+
+        release_thread_streams()
 
 
 def make_loader(settings: Settings, failpoints: FailPoints) -> Any:

@@ -28,9 +28,11 @@ _STOP = object()
 
 
 class MLXThread:
-    def __init__(self, name: str = "mlx", nice: int = 0) -> None:
+    def __init__(self, name: str = "mlx", nice: int = 0,
+                 on_exit: Callable[[], None] | None = None) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._nice = nice
+        self._on_exit = on_exit  # runs on this thread, after its last job
         # Seconds spent in finished jobs. Beside wall time it tells a thread kept busy
         # (stepping at the engine's pace) from one waiting for its next step.
         self.busy_seconds = 0.0
@@ -60,7 +62,8 @@ class MLXThread:
         return await asyncio.shield(asyncio.wrap_future(self.submit(fn, *args)))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Ask the thread to end after its current job; wait up to ``timeout``."""
+        """Ask the thread to end after its current job (and ``on_exit``); wait up to
+        ``timeout``."""
         self._jobs.put(_STOP)
         self._thread.join(timeout)
 
@@ -71,6 +74,7 @@ class MLXThread:
         while True:
             job = self._jobs.get()
             if job is _STOP:
+                self._exit()
                 return
             future, fn, args = job
             if future is not None and not future.set_running_or_notify_cancel():
@@ -83,6 +87,15 @@ class MLXThread:
             # Counted before the result is handed back, so a caller sees its job in it.
             self.busy_seconds += time.perf_counter() - started
             _hand_back(future, result, error)
+
+
+    def _exit(self) -> None:
+        if self._on_exit is None:
+            return
+        try:
+            self._on_exit()
+        except Exception:
+            log.exception("the MLX thread's exit job failed")
 
 
 def _hand_back(future: Future[Any] | None, result: Any, error: BaseException | None) -> None:
