@@ -53,6 +53,43 @@ def test_the_cli_refuses_bad_settings_with_a_clear_message():
     assert "loopback" in done.stderr
 
 
+def test_uvicorns_own_exit_leaves_without_interpreter_teardown(monkeypatch):
+    """A port in use makes uvicorn shut down and raise SystemExit(3); the CLI then
+    leaves through ``_exit_now`` as after any shutdown, never through the interpreter's
+    teardown, where MLX's native threads abort the process now and then."""
+    from mlx_serve import cli, serving
+
+    class Left(Exception):
+        pass
+
+    def exit_now(code: int):
+        raise Left(code)
+
+    def run(self):
+        raise SystemExit(3)
+
+    monkeypatch.setattr(serving.DrainingServer, "run", run)
+    monkeypatch.setattr(cli, "_exit_now", exit_now)
+    with pytest.raises(Left) as left:
+        cli.main(["--model", "/nowhere", "--no-openblas", "--no-jemalloc"])
+    assert left.value.args == (3,)
+
+
+def test_a_port_in_use_ends_the_server_with_status_3(tiny_model_dir):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "mlx_serve", "--model", str(tiny_model_dir),
+                               "--port", str(port), "--no-openblas", "--no-jemalloc"],
+                              capture_output=True, text=True, timeout=90)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "address already in use" in done.stderr
+    assert "terminate called" not in done.stderr
+
+
 def test_mlx_serve_entry_point_is_installed():
     script = Path(sys.executable).parent / "mlx-serve"
     done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)

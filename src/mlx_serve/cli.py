@@ -71,17 +71,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                             ws="none",  # nothing here speaks WebSocket
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, app, settings.drain_timeout)
-    server.run()
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn's own exit, after its shutdown (a port in use: 3)
+        _exit_now(exc.code if isinstance(exc.code, int) else 1)
     _exit_now(server.exit_code)
 
 
 def _exit_now(code: int) -> NoReturn:
-    """Leave without interpreter teardown once uvicorn has shut down cleanly.
+    """Leave without interpreter teardown once uvicorn has shut down.
 
     Every reply has been written by then. A step left running on the MLX thread (a
     drain timeout does not wait for it) must not meet MLX's native threads being torn
     down at exit, which aborts the process ("terminate called ...") and turns a clean
-    drain into status -6.
+    drain into status -6. The same teardown aborted now and then after the MLX thread
+    had ended (see ``runner/streams.py``), as when the port was in use.
     """
     logging.shutdown()
     sys.stdout.flush()
