@@ -73,6 +73,7 @@ class Layers:
 
     def __init__(self, model_path: str, args: argparse.Namespace, texts: list[str]) -> None:
         from mlx_serve.mlx_thread import MLXThread
+        from mlx_serve.runner.streams import release_thread_streams
 
         self.args = args
         batch = BatchSettings(args.decode_batch_size, args.prefill_batch_size,
@@ -82,7 +83,7 @@ class Layers:
         self._prompts = iter([list(self.harness.tokenizer.encode(t)) for t in texts])
         self.harness_1arr = EngineHarness(self.harness.model, self.harness.tokenizer,
                                           replace(batch, one_array_logprobs=True))
-        self.mlx = MLXThread()
+        self.mlx = MLXThread(on_exit=release_thread_streams)
         self.runner = self.mlx.submit(self._new_runner, args.prefix_cache_bytes).result()
         self.runner_nocache = self.mlx.submit(self._new_runner, 0).result()
         self._ids = itertools.count()

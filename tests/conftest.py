@@ -37,11 +37,12 @@ async def running_engine(
 ) -> AsyncIterator[Engine]:
     """An engine on the tiny model, its actor running in a task group; stopped on exit."""
     from mlx_serve.runner import BatchLimits, load_runner
+    from mlx_serve.runner.streams import release_thread_streams
 
     fp = FailPoints.from_spec(failpoints)
     limits = BatchLimits(decode_batch_size=decode_batch_size, prefill_batch_size=8,
                          prefill_step_size=64)
-    mlx = MLXThread()
+    mlx = MLXThread(on_exit=release_thread_streams)  # as the server's (engine_setup)
     engine = Engine(lambda: load_runner(str(model_dir), limits=limits, failpoints=fp,
                                         prefix_cache_bytes=prefix_cache_bytes),
                     config or EngineConfig(max_running=decode_batch_size), mlx)
