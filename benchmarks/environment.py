@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlx_serve.http_stack import interpreter_lock_on
+
 
 def _cpu_model() -> str:
     try:
@@ -73,13 +75,6 @@ def _mlx_device() -> str | None:
     return out.stdout.strip() or None
 
 
-def interpreter_lock() -> bool:
-    """Whether this interpreter runs with its lock (always, except a free-threaded build
-    started or left without it)."""
-    is_enabled = getattr(sys, "_is_gil_enabled", None)
-    return True if is_enabled is None else bool(is_enabled())
-
-
 def describe(argv: list[str], model_path: str, module: str = "benchmarks.ab"
              ) -> dict[str, Any]:
     return {
@@ -88,7 +83,7 @@ def describe(argv: list[str], model_path: str, module: str = "benchmarks.ab"
         "model_path": model_path,
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                     "platform": platform.platform(), "python": platform.python_version(),
-                    "interpreter_lock": interpreter_lock(),
+                    "interpreter_lock": interpreter_lock_on(),
                     "mlx_device": _mlx_device()},
         # httptools and uvloop: what uvicorn serves with (h11 and asyncio without them).
         "versions": {p: _version(p) for p in ("mlx", "mlx-lm", "mlx-serve", "uvicorn",

@@ -13,8 +13,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from benchmarks.environment import interpreter_lock
 from benchmarks.phase_report import by_run, format_runs, format_windows, read_windows
+from mlx_serve.http_stack import interpreter_lock_on
 
 pytestmark = pytest.mark.anyio
 
@@ -198,7 +198,7 @@ async def test_a_loop_stall_is_traced_to_the_code_that_held_the_loop(capsys):
     assert " loop-trace " in err and "_blocks_the_loop_for_50_ms" in err, err
 
 
-@pytest.mark.skipif(not interpreter_lock(), reason="a free-threaded interpreter has no lock")
+@pytest.mark.skipif(not interpreter_lock_on(), reason="a free-threaded interpreter has no lock")
 def test_a_lock_held_in_c_makes_every_threads_stack_dumped(capfd):
     import threading
 

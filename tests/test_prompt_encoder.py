@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.environment import interpreter_lock
+from mlx_serve.http_stack import interpreter_lock_on
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.prompts import render_chat
 from mlx_serve.protocol import ChatCompletionRequest
@@ -97,7 +97,7 @@ def _lock_kept_during(fn: Callable[[], object]) -> bool:
         sys.setswitchinterval(interval)
 
 
-@pytest.mark.skipif(not interpreter_lock(), reason="a free-threaded interpreter has no lock")
+@pytest.mark.skipif(not interpreter_lock_on(), reason="a free-threaded interpreter has no lock")
 def test_encoding_keeps_the_interpreter_lock(tiny_model_dir: Path) -> None:
     tokenizer = _tokenizer(tiny_model_dir)
     encode = PromptEncoder(tokenizer)

@@ -36,11 +36,18 @@ def log_http_stack() -> None:
                     "event loop; install uvicorn[standard] for its C parser", loop)
 
 
+def interpreter_lock_on() -> bool:
+    """Whether this interpreter runs with its lock: always, but on a free-threaded build
+    that kept it off."""
+    is_enabled = getattr(sys, "_is_gil_enabled", None)  # Python 3.13 and later
+    return True if is_enabled is None else bool(is_enabled())
+
+
 def log_interpreter_lock() -> None:
     """On a free-threaded build, say whether its interpreter lock stayed off."""
     if not sysconfig.get_config_var("Py_GIL_DISABLED"):
         return  # a standard build: nothing to tell
-    if getattr(sys, "_is_gil_enabled", lambda: True)():
+    if interpreter_lock_on():
         log.warning("free-threaded interpreter with its lock on: PYTHON_GIL=1, or an "
                     "extension module without free-threading support turned it on at "
                     "import; the MLX thread and the event loop take turns")

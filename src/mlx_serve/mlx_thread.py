@@ -88,7 +88,6 @@ class MLXThread:
             self.busy_seconds += time.perf_counter() - started
             _hand_back(future, result, error)
 
-
     def _exit(self) -> None:
         if self._on_exit is None:
             return

@@ -5,7 +5,7 @@ aborts at exit now and then, in MLX's native teardown ("terminate called without
 active exception", MLX issue 3126). A script that evaluates on a thread, joins it and
 exits did so in 16 of 300 exits on the CPU machine (14 aborts, 2 segfaults), and in none
 of 300 with this thread's streams cleared first; a server that could not bind its port
-aborted in about one of 25 exits. ``mx.clear_streams`` (MLX's remedy) destroys the
+aborted in 4 of 87 exits. ``mx.clear_streams`` (MLX's remedy) destroys the
 calling thread's streams while that thread is still alive.
 """
 
