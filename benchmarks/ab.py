@@ -49,7 +49,13 @@ from benchmarks.servers import (
     mlx_serve_command,
     spawn,
 )
-from benchmarks.workload import Workload, build_prompts, load_tokenizer
+from benchmarks.workload import (
+    Workload,
+    add_length_mix_args,
+    build_prompts,
+    length_mix,
+    load_tokenizer,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -75,6 +81,8 @@ class ABConfig:
     blas: str = "auto"  # auto: OpenBLAS for all three when installed (mlx_serve's default)
     allocator: str = "auto"  # auto: jemalloc for all three when installed (the same)
     rate: float | None = None  # open loop (Poisson arrivals); concurrency is then the cap
+    long_output_tokens: int | None = None  # a share of long replies among short ones
+    long_fraction: float = Workload.long_fraction
     settle: float = 0.0  # seconds of quiet before every measured run
     isolate: bool = False  # start each server for its own run only: one MLX process at a time
     # The engine harness steps with mlx_serve's decode step, not mlx-lm's own: the ratio
@@ -101,7 +109,8 @@ class ABConfig:
     def workload(self, concurrency: int, seed: int) -> Workload:
         n = max(self.min_requests, self.requests_per_stream * concurrency)
         return Workload(self.prompt_tokens, self.output_tokens, n, concurrency, seed,
-                        self.rate, self.run_time_limit)
+                        self.rate, self.run_time_limit, self.long_output_tokens,
+                        self.long_fraction)
 
 
 class ABRunner:
@@ -307,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "contender has gone first equally often (many short rounds: "
                         "--rounds 100 --time-limit 300)")
     add_shape_args(p)
+    add_length_mix_args(p)
     p.add_argument("--requests-per-stream", type=int, default=4,
                    help="a run sends max(--min-requests, this x concurrency) requests")
     p.add_argument("--min-requests", type=int, default=16)
@@ -367,7 +377,7 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
         engine_one_array_logprobs=args.engine_one_array_logprobs,
         engine_early_decode_join=args.engine_early_decode_join,
         keep_engine=args.engine_process == "kept", warm_run=args.warm_run,
-        time_limit=args.time_limit)
+        time_limit=args.time_limit, **length_mix(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -39,7 +40,7 @@ from benchmarks.metrics import (
 from benchmarks.servers import add_shape_args
 from benchmarks.thread_detail import per_step, read_thread
 from benchmarks.threads import cpu_by_role, cpu_per_token_by_thread, thread_times
-from benchmarks.workload import Workload, build_prompts
+from benchmarks.workload import Workload, add_length_mix_args, build_prompts, length_mix
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class BatchSettings:
 class _InFlight:
     arrival: float
     detokenizer: Any
+    max_tokens: int
     record: RequestRecord = field(default_factory=RequestRecord)
     last: float | None = None
 
@@ -101,6 +103,7 @@ class EngineHarness:
 
         gen = self._generator()
         arrivals = _arrival_times(workload)
+        lengths = workload.output_lengths()
         waiting = deque(range(min(len(prompts), workload.num_requests)))
         inflight: dict[int, _InFlight] = {}
         records: list[RequestRecord] = []
@@ -115,20 +118,20 @@ class EngineHarness:
                 admit = self._due(waiting, inflight, arrivals, workload.concurrency, now)
                 if admit:
                     uids = gen.insert([prompts[i] for i in admit],
-                                      max_tokens=[workload.output_tokens] * len(admit),
+                                      max_tokens=[lengths[i] for i in admit],
                                       samplers=[greedy_sampler] * len(admit),
                                       logits_processors=[[] for _ in admit],
                                       stop_sequences=[self._eos] * len(admit))
                     t = time.perf_counter()
-                    for uid in uids:
-                        inflight[uid] = _InFlight(t, self._new_detokenizer())
+                    for uid, i in zip(uids, admit, strict=True):
+                        inflight[uid] = _InFlight(t, self._new_detokenizer(), lengths[i])
                 if not inflight:
                     time.sleep(min(0.01, max(0.0, arrivals[waiting[0]] - now)))
                     continue
                 prompt_responses, responses = gen.next()
                 if self.batch.early_decode_join:
-                    responses = self._first_tokens_ahead(gen, responses,
-                                                         workload.output_tokens)
+                    responses = self._first_tokens_ahead(
+                        gen, responses, lambda uid: inflight[uid].max_tokens)
                 steps += 1
                 prefill_steps += bool(prompt_responses)
                 if self._emit(responses, inflight, records):
@@ -149,8 +152,8 @@ class EngineHarness:
             admit.append(waiting.popleft())
         return admit
 
-    def _first_tokens_ahead(self, gen: Any, responses: list[Any], max_tokens: int
-                            ) -> list[Any]:
+    def _first_tokens_ahead(self, gen: Any, responses: list[Any],
+                            max_tokens: Callable[[int], int]) -> list[Any]:
         """mlx_serve's first tokens: those of the sequences this step moved into decoding,
         unless one would end its request; the same tokens handed back by the next step
         are dropped, as in mlx_serve's runner."""
@@ -163,7 +166,7 @@ class EngineHarness:
 
         kept = drop_handed_back(gen, responses)
         ahead = {uid: token for uid, token in take_first_tokens(gen).items()
-                 if token not in self._eos_ids and max_tokens > 1}
+                 if token not in self._eos_ids and max_tokens(uid) > 1}
         mark_sent_ahead(gen, ahead)
         return kept + [FirstToken(uid, token) for uid, token in ahead.items()]
 
@@ -295,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=64)
     add_shape_args(p, decode_batch_size=32)
+    add_length_mix_args(p)
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson requests/s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=300.0)
@@ -330,7 +334,8 @@ def _prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     workload = Workload(args.prompt_tokens, args.output_tokens, args.num_requests,
-                        args.concurrency, args.seed, args.rate, args.time_limit)
+                        args.concurrency, args.seed, args.rate, args.time_limit,
+                        **length_mix(args))
     batch = BatchSettings(args.decode_batch_size, args.prefill_batch_size,
                           args.prefill_step_size, args.one_array_logprobs,
                           args.early_decode_join)

@@ -46,7 +46,10 @@ def workload_flags(workload: Workload) -> list[str]:
             "--prompt-tokens", str(workload.prompt_tokens),
             "--output-tokens", str(workload.output_tokens),
             "--time-limit", str(workload.time_limit), "--seed", str(workload.seed),
-            *(["--rate", str(workload.rate)] if workload.rate else [])]
+            *(["--rate", str(workload.rate)] if workload.rate else []),
+            *(["--long-output-tokens", str(workload.long_output_tokens),
+               "--long-fraction", str(workload.long_fraction)]
+              if workload.long_output_tokens is not None else [])]
 
 
 def run_fresh(command: list[str], workload: Workload, prompts_file: Path, out: Path,

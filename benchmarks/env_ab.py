@@ -60,7 +60,13 @@ from benchmarks.servers import (
 )
 from benchmarks.stalls import describe_stalls, read_stalls, with_stall_log
 from benchmarks.threads import describe_threads
-from benchmarks.workload import Workload, build_prompts, load_tokenizer
+from benchmarks.workload import (
+    Workload,
+    add_length_mix_args,
+    build_prompts,
+    length_mix,
+    load_tokenizer,
+)
 
 # Of report.METRICS; the step figures say whether a slower variant ran emptier batches
 # (fewer tokens a step) or slower steps, the CPU probe whether the host ran it slower.
@@ -131,7 +137,7 @@ def _name(env: dict[str, str]) -> str:
 def _workload(args: argparse.Namespace, conc: int, seed: int) -> Workload:
     count = max(args.min_requests, args.requests_per_stream * conc)
     return Workload(args.prompt_tokens, args.output_tokens, count, conc, seed, None,
-                    args.run_time_limit)
+                    args.run_time_limit, **length_mix(args))
 
 
 def warm_runs(args: argparse.Namespace, tokenizer: Any,
@@ -204,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=[1, 16])
     p.add_argument("--rounds", type=int, default=2)
     add_shape_args(p)
+    add_length_mix_args(p)
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--health-probe", type=float, default=0.0, help="seconds; 0 disables")

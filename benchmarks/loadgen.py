@@ -31,7 +31,13 @@ except ImportError:  # pragma: no cover
 
 from benchmarks.health_probe import HealthProbe
 from benchmarks.metrics import RequestRecord, percentiles, report_run, run_span, summarize
-from benchmarks.workload import Workload, build_prompts, load_tokenizer
+from benchmarks.workload import (
+    Workload,
+    add_length_mix_args,
+    build_prompts,
+    length_mix,
+    load_tokenizer,
+)
 
 T = TypeVar("T")
 
@@ -157,6 +163,7 @@ class _Run:
     def __init__(self, client: aiohttp.ClientSession, target: Target, workload: Workload,
                  prompts: list[str]) -> None:
         self.client, self.target, self.workload, self.prompts = client, target, workload, prompts
+        self.lengths = workload.output_lengths()
         self.records: list[RequestRecord] = []
         self.start = time.perf_counter()
         self.wall_start = time.time()
@@ -174,8 +181,7 @@ class _Run:
     async def one(self, index: int) -> None:
         prompt = self.prompts[index % len(self.prompts)]
         try:
-            record = await send_one(self.client, self.target, prompt,
-                                    self.workload.output_tokens)
+            record = await send_one(self.client, self.target, prompt, self.lengths[index])
         except asyncio.CancelledError:
             self.records.append(RequestRecord(error="cancelled at the time limit"))
             raise
@@ -285,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
+    add_length_mix_args(p)
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson requests/s")
     p.add_argument("--seed", type=int, default=0)
@@ -300,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     workload = Workload(args.prompt_tokens, args.output_tokens, args.num_requests,
-                        args.concurrency, args.seed, args.rate, args.time_limit)
+                        args.concurrency, args.seed, args.rate, args.time_limit,
+                        **length_mix(args))
     target = Target(args.base_url.rstrip("/"), args.api, args.stream, args.model,
                     args.request_timeout, args.health_probe)
     prompts = build_prompts(load_tokenizer(args.tokenizer), args.num_requests + args.warmup,

@@ -28,6 +28,7 @@ METRICS: dict[str, Getter] = {
     "ITL p50": lambda s: s["itl_ms"]["p50"],
     "ITL p90": lambda s: s["itl_ms"]["p90"],
     "ITL p95": lambda s: s["itl_ms"].get("p95"),
+    "ITL p99": lambda s: s["itl_ms"].get("p99"),
     "TPOT p50": lambda s: s["tpot_ms"]["p50"],
     "CPU ms/token": lambda s: s.get("cpu_ms_per_token"),
     # mlx_serve's MLX thread against the engine harness's own: the same job, stepping.

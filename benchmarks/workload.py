@@ -9,6 +9,7 @@ it too, so all three see the same prompt tokens.
 
 from __future__ import annotations
 
+import argparse
 import random
 import re
 from dataclasses import asdict, dataclass
@@ -35,9 +36,52 @@ class Workload:
     seed: int = 0
     rate: float | None = None  # requests/s (Poisson); None: closed loop at ``concurrency``
     time_limit: float = 300.0  # seconds; requests not started by then are not sent
+    # Short and long replies interleaved: this share of the requests asks for
+    # ``long_output_tokens`` instead of ``output_tokens`` (None: every request alike).
+    long_output_tokens: int | None = None
+    long_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.output_tokens < 1:
+            raise ValueError("output_tokens must be at least 1")
+        if self.long_output_tokens is not None and self.long_output_tokens < 1:
+            raise ValueError("long_output_tokens must be at least 1")
+        if not 0.0 <= self.long_fraction <= 1.0:
+            raise ValueError("long_fraction must be between 0 and 1")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def output_lengths(self) -> list[int]:
+        """Each request's output length, by request index: the same for every contender.
+
+        With a long share, exactly ``round(num_requests * long_fraction)`` requests are
+        long, at seeded places, so that long ones arrive among short ones throughout the
+        run rather than in one stretch.
+        """
+        if self.long_output_tokens is None:
+            return [self.output_tokens] * self.num_requests
+        lengths = [self.output_tokens] * self.num_requests
+        long_count = round(self.num_requests * self.long_fraction)
+        for index in random.Random(f"output lengths {self.seed}").sample(
+                range(self.num_requests), long_count):
+            lengths[index] = self.long_output_tokens
+        return lengths
+
+
+def add_length_mix_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a run that interleaves short and long replies."""
+    p.add_argument("--long-output-tokens", type=int, default=None, metavar="N",
+                   help="a share of the requests (--long-fraction) asks for N output tokens "
+                        "instead of --output-tokens, at seeded places")
+    p.add_argument("--long-fraction", type=float, default=Workload.long_fraction,
+                   help="the share of long requests (default %(default)s)")
+
+
+def length_mix(args: argparse.Namespace) -> dict[str, Any]:
+    """Workload keywords from the flags of ``add_length_mix_args``."""
+    return {"long_output_tokens": args.long_output_tokens,
+            "long_fraction": args.long_fraction}
 
 
 def load_tokenizer(path: str) -> Tokenizer:

@@ -136,11 +136,11 @@ def test_the_engine_harness_takes_first_tokens_where_the_server_sends_them(tiny_
     try:
         uids = gen.insert(_prompts(0, 3), max_tokens=[8] * 3)
         _, responses = gen.next()  # prefills them and moves them into decoding
-        ahead = harness._first_tokens_ahead(gen, responses, 8)
+        ahead = harness._first_tokens_ahead(gen, responses, lambda uid: 8)
         assert sorted(r.uid for r in ahead) == sorted(uids)
         _, responses = gen.next()  # hands the same tokens back: dropped
         assert {r.uid: r.token for r in responses} == {r.uid: r.token for r in ahead}
-        assert harness._first_tokens_ahead(gen, responses, 8) == []
+        assert harness._first_tokens_ahead(gen, responses, lambda uid: 8) == []
     finally:
         gen.close()
     # Whole runs count the same tokens on either schedule.
