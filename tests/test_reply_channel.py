@@ -117,3 +117,17 @@ async def test_a_whole_reply_channel_wakes_only_at_its_end():
         assert received == [0]  # one producer is left
         channel.close_producer()
     assert received == [0, 1, 2, 3, 4]
+
+
+async def test_the_channel_has_ended_once_its_items_are_taken_and_its_producers_closed():
+    channel = ReplyChannel[int](producers=2)
+    assert not channel.ended
+    channel.put(1)
+    channel.close_producer()
+    channel.close_producer()
+    assert not channel.ended  # an item is still queued
+    assert channel.take_ready() == [1]
+    assert channel.ended
+    gone = ReplyChannel[int]()
+    gone.close()  # the consumer left
+    assert gone.ended

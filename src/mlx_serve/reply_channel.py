@@ -76,6 +76,11 @@ class ReplyChannel(Generic[T]):
             await self._wait()
         return self._items.popleft()
 
+    @property
+    def ended(self) -> bool:
+        """Nothing queued and nothing more to come: the next ``__anext__`` stops."""
+        return not self._items and (self._producers <= 0 or self._consumer_gone)
+
     def take_ready(self) -> list[T]:
         """Every item already queued, without waiting."""
         items = list(self._items)

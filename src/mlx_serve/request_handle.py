@@ -26,6 +26,11 @@ class RequestHandle:
         """The events already queued, without waiting (to write them out together)."""
         return self._events.take_ready()
 
+    @property
+    def ended(self) -> bool:
+        """Every event taken and the request over: no more will come."""
+        return self._events.ended
+
     async def __aenter__(self) -> RequestHandle:
         return self
 

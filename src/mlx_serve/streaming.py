@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Send
 
 from mlx_serve.engine import RequestHandle
 from mlx_serve.errors import MLXServeError
@@ -32,8 +34,21 @@ class SSEResponse(StreamingResponse):
         super().__init__(frames, headers={"Cache-Control": "no-store",
                                           "X-Accel-Buffering": "no"})
 
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, but the frames that end with ``[DONE]`` also end the body: the
+        last bytes and the chunked body's terminator leave in one write, not two."""
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        ended = False
+        async for frames in self.body_iterator:
+            ended = isinstance(frames, bytes) and frames.endswith(DONE)
+            await send({"type": "http.response.body", "body": frames, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
 
 PING = b": ping\n\n"
+DONE = b"data: [DONE]\n\n"
 
 
 def _frame(payload: str) -> bytes:
@@ -87,6 +102,14 @@ def tell_tracker(tracker: RequestTracker | None, choices: list[Choice],
                     error.status_code if error is not None else None)
 
 
+@dataclasses.dataclass
+class _StreamEnd:
+    """How a streamed reply ended, as its writes go out."""
+
+    error: MLXServeError | None = None
+    done: bool = False  # [DONE] written
+
+
 async def sse_events(
     handle: RequestHandle, shape: ReplyShape, choices: int, failpoints: FailPoints,
     user: str | None, ping_seconds: float, merge_text: bool = False,
@@ -103,7 +126,7 @@ async def sse_events(
     """
     users = (user,) if user is not None else ()
     state = [Choice(i) for i in range(choices)]
-    error: MLXServeError | None = None
+    end = _StreamEnd()
     async with handle:
         try:
             async for ping in pings_until_output(handle, ping_seconds):
@@ -114,33 +137,59 @@ async def sse_events(
                 await failpoints.acheck("sse.send", users)
             for frame in _opening_frames(shape, choices):
                 yield frame
-            quiet = QuietPings(ping_seconds)
-            async for event in handle:
-                # Everything that queued up meanwhile goes out in one write: when the
-                # event loop falls behind, each write carries several tokens.
-                pending = [event, *handle.take_ready()]
-                frames, error = _event_frames(
-                    shape, state, merge_text_deltas(pending) if merge_text else pending)
-                if frames:
-                    if failpoints:
-                        await failpoints.acheck("sse.send", users)
-                    yield b"".join(frames)
-                    quiet.spoke()
-                elif (keep_alive := quiet.quiet()) is not None:
-                    yield keep_alive
-                if error is not None:
-                    break
-            if error is None and shape.include_usage:
-                yield _frame(json.dumps(shape.usage_chunk(state)))
+            writes = _event_writes(handle, shape, state, merge_text, failpoints, users,
+                                   ping_seconds, end)
+            async with aclosing(writes):
+                async for frames in writes:
+                    yield frames
         except MLXServeError as exc:
-            error = exc
+            end.error = exc
             yield _frame(json.dumps(exc.to_dict()))
         except Exception as exc:  # a fault in our own send path still ends the stream cleanly
-            error = MLXServeError(f"streaming failed: {type(exc).__name__}")
-            yield _frame(json.dumps(error.to_dict()))
+            end.error = MLXServeError(f"streaming failed: {type(exc).__name__}")
+            yield _frame(json.dumps(end.error.to_dict()))
         finally:  # also when the client left: the generator is closed at a yield
-            tell_tracker(tracker, state, error)
-        yield b"data: [DONE]\n\n"
+            tell_tracker(tracker, state, end.error)
+        if not end.done:
+            yield DONE
+
+
+async def _event_writes(
+    handle: RequestHandle, shape: ReplyShape, state: list[Choice], merge_text: bool,
+    failpoints: FailPoints, users: tuple[str, ...], ping_seconds: float, end: _StreamEnd,
+) -> AsyncGenerator[bytes, None]:
+    """One write for the events that are in; the reply's last write also carries its
+    usage chunk and [DONE] (a short reply is mostly writes). A failure's error frame
+    ends the writes."""
+    quiet = QuietPings(ping_seconds)
+    async for event in handle:
+        # Everything that queued up meanwhile goes out in one write: when the event loop
+        # falls behind, each write carries several tokens.
+        pending = [event, *handle.take_ready()]
+        frames, end.error = _event_frames(
+            shape, state, merge_text_deltas(pending) if merge_text else pending)
+        last = end.error is None and handle.ended
+        if last:
+            frames.extend(_closing_frames(shape, state))
+        if frames:
+            if failpoints:
+                await failpoints.acheck("sse.send", users)
+            yield b"".join(frames)
+            quiet.spoke()
+        elif (keep_alive := quiet.quiet()) is not None:
+            yield keep_alive
+        end.done = last
+        if last or end.error is not None:
+            return
+    if end.error is None:  # the end came after the last events (an engine process's)
+        yield b"".join(_closing_frames(shape, state))
+        end.done = True
+
+
+def _closing_frames(shape: ReplyShape, state: list[Choice]) -> list[bytes]:
+    """What ends a reply that did not fail: the usage chunk when asked for, [DONE]."""
+    usage = [_frame(json.dumps(shape.usage_chunk(state)))] if shape.include_usage else []
+    return [*usage, DONE]
 
 
 def _opening_frames(shape: ReplyShape, choices: int) -> list[bytes]:
