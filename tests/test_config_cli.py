@@ -53,10 +53,14 @@ def test_the_cli_refuses_bad_settings_with_a_clear_message():
     assert "loopback" in done.stderr
 
 
-def test_uvicorns_own_exit_leaves_without_interpreter_teardown(monkeypatch):
+@pytest.mark.parametrize("code, status, said", [(3, 3, ""), (None, 0, ""),
+                                                ("cannot serve", 1, "cannot serve\n")])
+def test_uvicorns_own_exit_leaves_without_interpreter_teardown(monkeypatch, capsys, code,
+                                                               status, said):
     """A port in use makes uvicorn shut down and raise SystemExit(3); the CLI then
     leaves through ``_exit_now`` as after any shutdown, never through the interpreter's
-    teardown, where MLX's native threads abort the process now and then."""
+    teardown, where MLX's native threads abort the process now and then. The status is
+    the one the interpreter would have given the exit."""
     from mlx_serve import cli, serving
 
     class Left(Exception):
@@ -66,13 +70,14 @@ def test_uvicorns_own_exit_leaves_without_interpreter_teardown(monkeypatch):
         raise Left(code)
 
     def run(self):
-        raise SystemExit(3)
+        raise SystemExit(code)
 
     monkeypatch.setattr(serving.DrainingServer, "run", run)
     monkeypatch.setattr(cli, "_exit_now", exit_now)
     with pytest.raises(Left) as left:
         cli.main(["--model", "/nowhere", "--no-openblas", "--no-jemalloc"])
-    assert left.value.args == (3,)
+    assert left.value.args == (status,)
+    assert capsys.readouterr().err.endswith(said)
 
 
 def test_a_port_in_use_ends_the_server_with_status_3(tiny_model_dir):

@@ -74,8 +74,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server.run()
     except SystemExit as exc:  # uvicorn's own exit, after its shutdown (a port in use: 3)
-        _exit_now(exc.code if isinstance(exc.code, int) else 1)
+        _exit_now(_exit_status(exc.code))
     _exit_now(server.exit_code)
+
+
+def _exit_status(code: object) -> int:
+    """The status the interpreter gives a ``SystemExit`` code: None is 0, an int is
+    itself, anything else is printed to standard error and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 def _exit_now(code: int) -> NoReturn:
