@@ -19,6 +19,7 @@ import pytest
 from benchmarks.env_ab import parse_variant, relative_table
 from benchmarks.loadgen import Target, run_load
 from benchmarks.metrics import format_table
+from benchmarks.servers import BatchConfig
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -101,7 +102,7 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
     monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
     config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(2,), rounds=1,
                          prompt_tokens=16, output_tokens=8, requests_per_stream=1,
-                         min_requests=2, batch=ab.BatchConfig(8, 8, 512),
+                         min_requests=2, batch=BatchConfig(8, 8, 512),
                          run_time_limit=60.0, health_probe=None, blas="reference",
                          targets=(ab.ENGINE, ab.OURS), isolate=True,
                          engine_one_array_logprobs=True)
@@ -161,7 +162,7 @@ def test_the_ab_runner_keeps_one_engine_process_for_every_engine_run_and_stops_i
     monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
     config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(1, 2), rounds=2,
                          prompt_tokens=16, output_tokens=8, requests_per_stream=1,
-                         min_requests=2, batch=ab.BatchConfig(8, 8, 512),
+                         min_requests=2, batch=BatchConfig(8, 8, 512),
                          run_time_limit=60.0, health_probe=None, blas="reference",
                          targets=(ab.ENGINE,))
     report = ab.run_ab(config, None, [])
