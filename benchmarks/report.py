@@ -115,6 +115,10 @@ def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
                            for name in (ENGINE, OURS, MLX_LM)}
         table["health_p99_ms"] = {name: _max_health(rounds, name) for name in (OURS, MLX_LM)}
         table["tok_s"] = {f"{a}/{b}": tok_s_summary(rounds, a, b) for a, b in PAIRS}
+        # Each contender's own tok/s over the rounds: how far apart the engine's own
+        # rounds ran says how steady the host was (the ratios are only as good as that).
+        table["own_tok_s"] = {name: spread([s[name]["output_throughput"] for s in rounds
+                                            if name in s]) for name in (ENGINE, OURS, MLX_LM)}
         out[str(conc)] = table
     return out
 
@@ -152,7 +156,7 @@ def format_ratios(table: dict[str, Any]) -> str:
         f, h = rows["failed"], rows["health_p99_ms"]
         health = " / ".join("-" if h[n] is None else f"{h[n]:.1f}" for n in (OURS, MLX_LM))
         lines.append(f"| {conc} | {f[ENGINE]} / {f[OURS]} / {f[MLX_LM]} | {health} |")
-    return "\n".join(lines + _tok_s_lines(table))
+    return "\n".join(lines + _tok_s_lines(table) + _own_tok_s_lines(table))
 
 
 def tok_s_header(label: str) -> list[str]:
@@ -171,6 +175,26 @@ def _tok_s_lines(table: dict[str, Any]) -> list[str]:
     return ["", *tok_s_header("pair"),
             *(tok_s_line(conc, pair, t) for conc, rows in table.items()
               for pair, t in rows.get("tok_s", {}).items() if t is not None)]
+
+
+def _own_tok_s_lines(table: dict[str, Any]) -> list[str]:
+    """Each contender's own output tok/s over the rounds, and how far apart its rounds ran."""
+    rows = [(conc, rows["own_tok_s"]) for conc, rows in table.items() if "own_tok_s" in rows]
+    if not any(sp is not None for _, own in rows for sp in own.values()):
+        return []
+    lines = ["", "| conc | own output tok/s, median [min-max], max/min: engine | mlx_serve "
+             "| mlx_lm |", "|---|---|---|---|"]
+    for conc, own in rows:
+        cells = [_own_cell(own.get(name)) for name in (ENGINE, OURS, MLX_LM)]
+        lines.append(f"| {conc} | {' | '.join(cells)} |")
+    return lines
+
+
+def _own_cell(sp: dict[str, float] | None) -> str:
+    if sp is None or not sp["min"]:
+        return "-"
+    return (f"{sp['median']:.1f} [{sp['min']:.1f}-{sp['max']:.1f}], "
+            f"{sp['max'] / sp['min']:.2f}x")
 
 
 def format_runs(runs: list[dict[str, Any]]) -> str:

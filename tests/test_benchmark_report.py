@@ -1,0 +1,24 @@
+"""The A/B report's tables from synthetic runs: no model, no server."""
+
+from __future__ import annotations
+
+from benchmarks.report import ENGINE, OURS, format_ratios, ratios
+
+
+def run(rnd: int, target: str, tok_s: float) -> dict:
+    summary = {"output_throughput": tok_s, "ttft_ms": {"p50": 10.0},
+               "itl_ms": {"p50": 2.0, "p90": 3.0}, "tpot_ms": {"p50": 2.0}, "failed": 0}
+    return {"round": rnd, "concurrency": 4, "target": target, "result": {"summary": summary}}
+
+
+def test_the_report_shows_how_far_apart_each_contenders_own_rounds_ran():
+    runs = [run(0, ENGINE, 100.0), run(0, OURS, 90.0),
+            run(1, ENGINE, 175.0), run(1, OURS, 180.0)]
+    table = ratios(runs)
+    own = table["4"]["own_tok_s"]
+    assert (own[ENGINE]["min"], own[ENGINE]["max"]) == (100.0, 175.0)
+    assert own["mlx_lm"] is None
+    text = format_ratios(table)
+    # The host ran the engine's two rounds 1.75x apart: ratios from such a run are weak.
+    assert "| 4 | 137.5 [100.0-175.0], 1.75x | 135.0 [90.0-180.0], 2.00x | - |" in text
+    assert "| 4 | mlx_serve/engine | 2 | 0.96 |" in text
