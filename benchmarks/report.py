@@ -179,13 +179,10 @@ def _tok_s_lines(table: dict[str, Any]) -> list[str]:
 
 def _own_tok_s_lines(table: dict[str, Any]) -> list[str]:
     """Each contender's own output tok/s over the rounds, and how far apart its rounds ran."""
-    rows = [(conc, rows["own_tok_s"]) for conc, rows in table.items() if "own_tok_s" in rows]
-    if not any(sp is not None for _, own in rows for sp in own.values()):
-        return []
     lines = ["", "| conc | own output tok/s, median [min-max], max/min: engine | mlx_serve "
              "| mlx_lm |", "|---|---|---|---|"]
-    for conc, own in rows:
-        cells = [_own_cell(own.get(name)) for name in (ENGINE, OURS, MLX_LM)]
+    for conc, rows in table.items():
+        cells = [_own_cell(rows["own_tok_s"][name]) for name in (ENGINE, OURS, MLX_LM)]
         lines.append(f"| {conc} | {' | '.join(cells)} |")
     return lines
 

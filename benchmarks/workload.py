@@ -59,13 +59,12 @@ class Workload:
         long, at seeded places, so that long ones arrive among short ones throughout the
         run rather than in one stretch.
         """
-        if self.long_output_tokens is None:
-            return [self.output_tokens] * self.num_requests
         lengths = [self.output_tokens] * self.num_requests
-        long_count = round(self.num_requests * self.long_fraction)
-        for index in random.Random(f"output lengths {self.seed}").sample(
-                range(self.num_requests), long_count):
-            lengths[index] = self.long_output_tokens
+        if self.long_output_tokens is not None:
+            long_count = round(self.num_requests * self.long_fraction)
+            for index in random.Random(f"output lengths {self.seed}").sample(
+                    range(self.num_requests), long_count):
+                lengths[index] = self.long_output_tokens
         return lengths
 
 
