@@ -231,6 +231,10 @@ def test_replay_rejects_tokens_the_format_forbids(tiny):
     schema_format({"type": "string", "minLength": 5, "maxLength": 2}),
     schema_format({"type": "string", "format": "no-such-format"}),
     schema_format({"$ref": "#/$defs/missing"}),
+    schema_format({"$ref": "#"}),  # these three admit no value: their first mask fails
+    schema_format({"anyOf": [{"$ref": "#"}]}),
+    schema_format({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                   "$ref": "#/$defs/a"}),
     schema_format({"type": "array", "uniqueItems": True}),  # not enforceable: refused
     {"type": "json_schema", "json_schema": {"name": "t", "schema": ["not", "an", "object"]}},
     {"type": "json_schema", "json_schema": "nope"},

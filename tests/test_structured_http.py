@@ -48,6 +48,34 @@ def test_an_invalid_schema_is_a_400(tiny_server):
     assert reply.json()["error"]["param"] == "response_format"
 
 
+def test_a_schema_that_admits_no_value_is_a_400(tiny_server):
+    reply = chat(tiny_server, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}})
+    assert reply.status_code == 400, reply.text
+    assert "admits no value" in reply.json()["error"]["message"]
+
+
+# `{"a": ` is forced, then "a" must hold itself: the format fails only mid-reply.
+DEEP_CYCLE = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}},
+              "required": ["a"]}
+
+
+def test_a_format_that_fails_mid_reply_ends_that_reply_alone(tiny_server):
+    cycle = {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP_CYCLE}}
+    for _ in range(3):  # three in a row once failed the engine for good
+        reply = chat(tiny_server, response_format=cycle)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "response_format"
+    with httpx.stream("POST", tiny_server.base_url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                            "max_tokens": 50, "response_format": cycle}) as streamed:
+        lines = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    assert json.loads(lines[-2])["error"]["param"] == "response_format"
+    assert chat(tiny_server, max_tokens=4).status_code == 200
+    assert httpx.get(tiny_server.base_url + "/health", timeout=10).status_code == 200
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_honour_response_format_as_vllm_does(tiny_server, stream):
     """Not in OpenAI's legacy completions, but vLLM takes it there: the text validates."""

@@ -27,6 +27,7 @@ from mlx_serve.runner.early_split import (
     take_first_tokens,
     use_early_split,
 )
+from mlx_serve.runner.format_guard import FormatFaults
 from mlx_serve.runner.formats import compile_format
 from mlx_serve.runner.live import BatchLimits, Live
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
@@ -84,6 +85,7 @@ class Runner:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         # Choices of one prompt wait for its first sequence's prefill, then reuse its KV.
         self._waiting_for_prefill: dict[tuple[int, ...], list[Live]] = {}
+        self._format_faults = FormatFaults()
         self._unscored: list[Live] = []  # replayed before their prompts were scored
         self._one_array_logprobs = one_array_logprobs
         self._early_decode_join = early_decode_join
@@ -118,6 +120,10 @@ class Runner:
         except Exception as exc:
             self._broken = True
             return StepOutcome(failed=tuple(failed), error=exc, ran_batch=True)
+        if faults := self._format_faults.take():  # before their requests' tokens are read
+            gone = [rid for rid in faults if rid in self._live]
+            self._remove(gone)
+            failed += [(rid, faults[rid]) for rid in gone]
         deltas: list[tuple[str, Delta]] = []
         for r in responses:
             live = self._by_uid.get(r.uid)
@@ -320,8 +326,9 @@ class Runner:
         processors = make_request_processors(params, len(live.request.prompt_tokens), end_ids)
         fmt = live.request.output.response_format
         if fmt is not None:  # a fresh matcher, fast-forwarded over what was generated
-            processors.append(fmt.make_processor_at(  # type: ignore[attr-defined]
-                len(live.request.prompt_tokens), live.generated))
+            matcher = fmt.make_processor_at(  # type: ignore[attr-defined]
+                len(live.request.prompt_tokens), live.generated)
+            processors.append(self._format_faults.guard(live.request.request_id, matcher))
         (uid,) = self._batch.insert(
             [rest],
             max_tokens=[live.remaining],

@@ -229,6 +229,16 @@ class _TokenizerEntry:
             raise StructuredOutputError(f"invalid {what}: {exc}") from None
         if matcher.is_error():
             raise StructuredOutputError(f"invalid {what}: {_error(matcher)}")
+        # A schema that admits no value at all (``{"$ref": "#"}``) compiles, and fails on
+        # its first mask: found here, it is a 400 before the request reaches a batch.
+        # (A cycle deeper in the schema fails only where the reply reaches it: the
+        # runner's GuardedFormat ends that request alone.)
+        probe = matcher.deep_copy()
+        bitmask = np.empty((self.tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+        if probe.is_error():
+            raise StructuredOutputError(f"invalid {what}: it admits no value "
+                                        f"({_error(probe)})")
         return matcher
 
 
