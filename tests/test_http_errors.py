@@ -121,6 +121,7 @@ def test_body_that_is_not_an_object_is_400(http, raw, path):
 
 CHAT_400 = [
     ({"model": MODEL}, "messages"),
+    ({"messages": None}, "messages"),  # a required field's null is no default
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": HI, "temperature": -0.5}, "temperature"),
@@ -194,6 +195,25 @@ def test_invalid_completion_parameter_is_400_naming_it(http, body, param):
     error = error_of(http.post("/v1/completions", json=body), 400)
     assert error["type"] == "invalid_request_error"
     assert param_matches(error, param), error
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "stream": None, "n": None,
+                              "ignore_eos": None}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": None, "n": None,
+                         "echo": None}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": None, "store": None}),
+])
+def test_a_null_takes_the_fields_default(http, path, body):
+    """OpenAI marks these nullable and its clients send null for "not set"."""
+    reply = http.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["content-type"].startswith("application/json")  # not streamed
+    data = reply.json()
+    if path == "/v1/responses":  # stored, as by default
+        assert http.get(f"/v1/responses/{data['id']}").status_code == 200
+    else:
+        assert len(data["choices"]) == 1
 
 
 @pytest.mark.parametrize(("prompt", "kinds"), [

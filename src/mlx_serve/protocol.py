@@ -16,6 +16,7 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -40,7 +41,22 @@ ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "safety_ide
                                 "prompt_cache_options"})
 
 
-class _Request(BaseModel):
+class NullsTakeDefaults(BaseModel):
+    """OpenAI marks most request fields nullable, and its clients send null for "not
+    set" (vLLM takes it): an explicit null takes the field's default. A required field's
+    null stays an error."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_take_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
+
+
+class _Request(NullsTakeDefaults):
     # Unknown fields are kept so the route can reject OpenAI ones it cannot honour and
     # log (then ignore) vendor extensions, as vLLM does.
     model_config = ConfigDict(extra="allow")

@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 
 from mlx_serve.protocol import (
     AllowedTools,
+    NullsTakeDefaults,
     ReasoningEffort,
     RefusalPart,
     parts_text,
@@ -180,7 +181,7 @@ class ResponsesAllowedToolsChoice(AllowedTools):
     type: Literal["allowed_tools"]
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullsTakeDefaults):
     """OpenAI's ``POST /v1/responses``: text in, text out; a stored earlier response may
     stand for the conversation before ``input``."""
 
