@@ -40,6 +40,20 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
 
 # -- non-streaming ------------------------------------------------------------------------
 
+def test_a_large_whole_reply_arrives_whole(client):
+    """Four choices of 256 tokens with 20 alternatives each: more than json_response's
+    LARGE_REPLY_ITEMS, so built and encoded in a worker thread, a slice at a time."""
+    reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=256, n=4,
+                                           temperature=0, logit_bias=NO_EOS, logprobs=True,
+                                           top_logprobs=20)
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
+    for choice in reply.choices:
+        assert choice.finish_reason == "length"
+        assert len(choice.logprobs.content) == 256
+        assert {len(t.top_logprobs) for t in choice.logprobs.content} == {20}
+    assert reply.usage.completion_tokens == 1024
+
+
 def test_chat_completion_non_streaming_shape_and_usage(client, tokenizer):
     reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=7,
                                            temperature=0, logit_bias=NO_EOS)

@@ -1,12 +1,21 @@
-"""Whole replies are written even when a model's tool call holds half a surrogate pair."""
+"""Whole replies are written even when a model's tool call holds half a surrogate pair, and
+large ones are built off the event loop, encoded a slice at a time, to the same bytes."""
 
 from __future__ import annotations
 
 import json
+import threading
 
+import pytest
 from mlx_lm.tool_parsers import pythonic
 
-from mlx_serve.json_response import JSONResponse
+from mlx_serve.json_response import (
+    LARGE_REPLY_ITEMS,
+    SLICE_ITEMS,
+    JSONResponse,
+    json_reply,
+    render_in_slices,
+)
 from mlx_serve.tool_calls import parse_tool_calls
 
 
@@ -21,3 +30,40 @@ def test_a_lone_surrogate_goes_out_escaped():
     assert b"\\ud83d" in body
     assert json.loads(body)["tool_calls"][0]["function"]["arguments"] == call["function"][
         "arguments"]
+
+
+def _logprob(i: int) -> dict:
+    return {"token": f"t{i}é", "logprob": -i / 7, "bytes": [116],
+            "top_logprobs": [{"token": f"a{j}", "logprob": -j / 3, "bytes": [97]}
+                             for j in range(3)]}
+
+
+LARGE = {"id": "x", "choices": [
+    {"index": c, "message": {"role": "assistant", "content": 'hé\n"q"', "tool_calls": []},
+     "logprobs": {"content": [_logprob(i) for i in range(SLICE_ITEMS * 2 + 7)]},
+     "finish_reason": None} for c in range(3)],
+    "usage": {"prompt_tokens": 1}, "nested": [[1] * (SLICE_ITEMS + 1), [2] * 3], "e": [],
+    "d": {}, "f": 1.5, "t": True}
+
+
+@pytest.mark.parametrize("content", [
+    LARGE, {}, [], [None] * (SLICE_ITEMS * 3), {"a": [{"b": list(range(SLICE_ITEMS + 1))}]},
+    {"s": "\ud83d"}, [["\ud83d"] * (SLICE_ITEMS + 1)], "plain"])
+def test_slices_render_the_bytes_of_one_call(content):
+    assert render_in_slices(content) == JSONResponse(content).body
+
+
+@pytest.mark.anyio
+async def test_a_large_reply_is_built_off_the_event_loop():
+    threads = []
+
+    def build(value: dict) -> dict:
+        threads.append(threading.get_ident())
+        return value
+
+    small = await json_reply(LARGE_REPLY_ITEMS, lambda: build({"a": 1}))
+    large = await json_reply(LARGE_REPLY_ITEMS + 1, lambda: build(LARGE))
+    assert threads[0] == threading.get_ident() != threads[1]
+    assert small.body == b'{"a":1}'
+    assert large.body == JSONResponse(LARGE).body
+    assert large.media_type == "application/json"

@@ -60,6 +60,12 @@ class Choice:
         return self.call_stream is None or position not in self.call_stream.cut_off
 
 
+def reply_items(choices: list[Choice]) -> int:
+    """How much a whole reply holds: its tokens and their logprob alternatives."""
+    return sum(c.tokens + len(c.logprobs) * len(c.logprobs[0].top if c.logprobs else ())
+               for c in choices)
+
+
 @dataclass
 class ReplyShape:
     """Everything about one HTTP request's reply that is fixed before generation."""

@@ -16,12 +16,12 @@ from mlx_serve import __version__
 from mlx_serve.engine import ALIVE_STATES, Engine, EngineState
 from mlx_serve.errors import AuthenticationError
 from mlx_serve.http_input import check_model, parse, read_json, ready_engine, server_state
-from mlx_serve.json_response import JSONResponse
+from mlx_serve.json_response import JSONResponse, json_reply
 from mlx_serve.metrics import RequestTracker
 from mlx_serve.protocol import ChatCompletionRequest, CompletionRequest
 from mlx_serve.protocol_responses import ResponsesRequest
 from mlx_serve.remote_engine import RemoteEngine
-from mlx_serve.replies import Choice, ReplyShape
+from mlx_serve.replies import Choice, ReplyShape, reply_items
 from mlx_serve.request_building import (
     Prepared,
     build_chat_request,
@@ -106,7 +106,9 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
         return SSEResponse(sse_events(handle, shape, choices, state.failpoints, body.user,
                                       state.settings.sse_ping_seconds,
                                       merge_text=interval > 1, tracker=tracker))
-    return JSONResponse(await collect(handle, shape, choices, request, tracker))
+    collected = await collect(handle, shape, choices, request, tracker)
+    # Choices without a finish only happen when the client went away: nobody reads it.
+    return await json_reply(reply_items(collected), lambda: shape.completion(collected))
 
 
 def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model: str, *,
@@ -204,7 +206,7 @@ async def responses(request: Request) -> Response:
     await collect(handle, shape, 1, request, tracker, into=[choice])
     final = whole_response(builder, choice, shape.prompt_tokens)
     store(final)
-    return JSONResponse(final)
+    return await json_reply(reply_items([choice]), lambda: final)
 
 
 def _stored(request: Request) -> tuple[ResponseStore, str, StoredResponse]:

@@ -247,12 +247,13 @@ def merge_text_deltas(events: list[ReplyEvent]) -> list[ReplyEvent]:
 
 async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, request: Request,
                   tracker: RequestTracker | None = None, into: list[Choice] | None = None
-                  ) -> dict:
-    """Wait for a whole reply; a client that disconnects meanwhile cancels the request.
+                  ) -> list[Choice]:
+    """Wait for a whole reply's choices; a client that disconnects meanwhile cancels the
+    request.
 
     A failure is raised (its HTTP error is counted where it becomes a response);
     ``tracker`` hears of every other ending. ``into``: the choices to fill (fresh ones
-    by default), for a caller that builds its own reply from them."""
+    by default)."""
     state = into if into is not None else [Choice(i) for i in range(choices)]
     failure: MLXServeError | None = None
     async with handle, anyio.create_task_group() as tg:
@@ -266,8 +267,7 @@ async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, reques
     if failure is not None:
         raise failure  # outside the task group, so it is not wrapped in a group
     tell_tracker(tracker, state, None)
-    # Choices without a finish only happen when the client went away: nobody reads it.
-    return shape.completion(state)
+    return state
 
 
 async def fail_fast(handle: RequestHandle, request: Request, window: float) -> None:
