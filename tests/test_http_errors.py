@@ -173,6 +173,7 @@ COMPLETION_400 = [
     ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "strin"}}}}, "response_format"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "best_of": 1, "n": 2}, "best_of"),  # fewer candidates than choices
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),

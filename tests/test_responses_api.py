@@ -41,7 +41,7 @@ def test_a_response_is_what_the_chat_request_generates(client, max_tokens):
     text, finish, prompt_tokens = chat_text(client, [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
         max_tokens)
-    assert response.object == "response" and response.id.startswith("resp")
+    assert response.object == "response" and response.id.startswith("resp_")
     assert response.output_text == text
     assert response.status == ("incomplete" if finish == "length" else "completed")
     if finish == "length":
@@ -120,11 +120,16 @@ def test_output_text_logprobs_are_the_chat_requests(client):
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [],
                  "encrypted_content": "gAAAAB"}]}, "input"),  # another server's reasoning
     ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+    # Checked on the chat request it is built as, named as the Responses request names it.
+    ({"reasoning": {"effort": "low"}}, "reasoning.effort"),  # no reasoning in the template
+    ({"max_output_tokens": 100_000}, "max_output_tokens"),  # over the context
 ])
 def test_what_is_not_served_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**{"model": MODEL, "input": QUESTION, **extra})
     assert info.value.param is not None and info.value.param.startswith(param)
+    if param in ("reasoning.effort", "max_output_tokens"):
+        assert param in info.value.message and "max_tokens" not in info.value.message
 
 
 @pytest.mark.parametrize("lines", [1, 6])  # at response.created; after two text deltas

@@ -96,7 +96,10 @@ def check_shared_fields(body: ChatCompletionRequest | CompletionRequest, setting
 
 
 def check_completion_fields(body: CompletionRequest) -> None:
-    if body.best_of not in (None, 1, body.n):
+    if body.best_of is not None and body.best_of < body.n:  # as OpenAI and vLLM refuse it
+        raise RequestError(f"'best_of' ({body.best_of}) must be at least 'n' ({body.n})",
+                           param="best_of")
+    if body.best_of not in (None, body.n):
         _unsupported("best_of", "must equal n")
     if body.suffix:
         _unsupported("suffix")

@@ -87,6 +87,25 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         logprobs=logprobs or None, top_logprobs=(body.top_logprobs or 0) if logprobs else None)
 
 
+# The chat request's fields that a Responses request names otherwise, for its errors.
+RESPONSES_NAMES = {"max_completion_tokens": "max_output_tokens",
+                   "max_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort",
+                   "response_format": "text.format", "messages": "input"}
+
+
+def as_responses_error(exc: MLXServeError) -> MLXServeError:
+    """An error of the chat request built from a Responses request, naming the Responses
+    fields (in ``param`` and, quoted or followed by a space, in the message)."""
+    if exc.param is None or exc.param.split(".")[0] not in RESPONSES_NAMES:
+        return exc
+    first, _, rest = exc.param.partition(".")
+    exc.param = RESPONSES_NAMES[first] + ("." + rest if rest else "")
+    for chat, responses in RESPONSES_NAMES.items():
+        exc.message = (exc.message.replace(f"'{chat}'", f"'{responses}'")
+                       .replace(f"{chat} (", f"{responses} ("))
+    return exc
+
+
 def _messages(body: ResponsesRequest) -> list[ChatMessage]:
     """Instructions and input items as chat messages. Reasoning opens an assistant
     message (its ``reasoning_content``, for the chat template to keep or drop), which the

@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from mlx_serve import __version__
 from mlx_serve.engine import ALIVE_STATES, Engine, EngineState
-from mlx_serve.errors import AuthenticationError
+from mlx_serve.errors import AuthenticationError, MLXServeError
 from mlx_serve.http_input import check_model, parse, read_json, ready_engine, server_state
 from mlx_serve.json_response import JSONResponse, json_reply
 from mlx_serve.metrics import RequestTracker
@@ -28,7 +28,12 @@ from mlx_serve.request_building import (
     build_completion_request,
     off_loop_if_long,
 )
-from mlx_serve.responses_api import ResponseBuilder, as_chat_request, whole_response
+from mlx_serve.responses_api import (
+    ResponseBuilder,
+    as_chat_request,
+    as_responses_error,
+    whole_response,
+)
 from mlx_serve.responses_store import (
     ResponseStore,
     StoredResponse,
@@ -184,10 +189,13 @@ async def responses(request: Request) -> Response:
     ``store`` is false."""
     arrived = time.monotonic()
     state, body, model, engine = await _open(request, ResponsesRequest)
-    request_id = _request_id("resp")
+    request_id = f"resp_{uuid.uuid4().hex}"  # OpenAI's form (a chat's is "chatcmpl-...")
     body, conversation = await continued(body, state.responses)
-    prepared = await build_chat_request(as_chat_request(body), engine.runner, state.settings,
-                                        request_id)
+    try:
+        prepared = await build_chat_request(as_chat_request(body), engine.runner,
+                                            state.settings, request_id)
+    except MLXServeError as exc:  # built as a chat request: name the Responses fields
+        raise as_responses_error(exc) from None
     tracker = state.metrics.track(prepared.prompt_tokens, arrived)
     shape = _reply_shape(state, prepared, request_id, model, chat=True)
     keep = body.store and state.responses.max_bytes > 0
