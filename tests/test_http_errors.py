@@ -122,6 +122,7 @@ def test_body_that_is_not_an_object_is_400(http, raw, path):
 CHAT_400 = [
     ({"model": MODEL}, "messages"),
     ({"messages": None}, "messages"),  # a required field's null is no default
+    ({"messages": [{"role": "user"}]}, "messages"),  # only an assistant may leave it out
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": HI, "temperature": -0.5}, "temperature"),

@@ -194,6 +194,14 @@ class ChatMessage(BaseModel):
     def _text_only(cls, content: Any) -> Any:
         return text_parts_only(content, ("text", "refusal"))
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # As OpenAI: only an assistant's message may leave it out (for its tool calls).
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing", "a {role} message needs 'content'",
+                                      {"role": self.role})
+        return self
+
     def text(self) -> str:
         return parts_text(self.content)
 
