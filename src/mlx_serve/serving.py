@@ -5,7 +5,8 @@ uvicorn's own shutdown stops listening at once, so a readiness probe could never
 first SIGTERM (or Ctrl+C) only starts draining: admission closes, ``/health`` answers
 503 ``draining`` while ``/live`` stays 200, in-flight requests finish (up to
 ``drain_timeout``, then they get a terminal error), and only then does uvicorn shut
-down; the process exits 0. A second signal shuts down at once.
+down; the process exits 0. A second signal gives every request still in flight its
+terminal error at once and shuts down.
 """
 
 from __future__ import annotations
@@ -61,14 +62,24 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         state = getattr(self._app.state, "server", None)
-        if self._draining or state is None or self._loop is None:
-            self.should_exit = True  # second signal, or nothing to drain: stop now
-            return
-        self._draining = True
-        self._loop.call_soon_threadsafe(self._start_drain)
+        if state is None or self._loop is None:
+            self.should_exit = True  # nothing to drain: stop now
+        elif self._draining:
+            self._loop.call_soon_threadsafe(self._stop_now)
+        else:
+            self._draining = True
+            self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())
+
+    def _stop_now(self) -> None:
+        """A second signal: every request still in flight gets its terminal error now (a
+        stream its error event and [DONE]), then the server stops. Stopping without it
+        left uvicorn to cut the streams off mid-reply once its shutdown timeout passed."""
+        log.warning("second signal: aborting the requests still in flight and stopping")
+        self._app.state.server.engine.abort()
+        self.should_exit = True
 
     async def _drain(self) -> None:
         engine = self._app.state.server.engine

@@ -165,3 +165,39 @@ async def test_drain_timeout_is_honoured_while_a_step_is_stuck(launch):
         if server.proc.poll() is None:  # let the stuck step return so the process can go
             async with http_client(server) as client:
                 await clear_failpoint(client, "engine.step")
+
+
+async def test_a_second_sigterm_ends_every_request_with_its_error_and_exits_zero(launch):
+    """Draining with 20 s to go, a second SIGTERM: each request still in flight gets its
+    terminal error at once (a stream its error event and [DONE], not a cut-off body)."""
+    server = launch("--drain-timeout", "20", failpoints=SLOW_STEPS)
+    bodies = [chat_body(i, max_tokens=1000, logit_bias=NO_EOS) for i in range(6)]
+    marks: dict[str, float] = {}
+    with anyio.fail_after(40):
+        async with http_client(server) as client:
+            started: list[anyio.Event] = []
+
+            async def terminate_twice() -> None:
+                for event in started:
+                    await event.wait()
+                await wait_for_requests(client, 6)
+                server.terminate()
+                await wait_for_state(client, "draining", timeout=5)
+                server.terminate()
+                marks["second"] = time.monotonic()
+
+            replies = await gather(*streaming_load(client, bodies, started),
+                                   alongside=[terminate_twice])
+            code = await process_exit(server, timeout=15)
+
+    assert_all_terminal(replies)
+    for reply in replies:
+        assert reply.error is not None, f"expected a terminal error: {reply.describe()}"
+        if reply.stream:
+            assert reply.status == 200 and reply.done == 1 and reply.text, reply.describe()
+        else:
+            assert reply.status is not None and reply.status >= 500, reply.describe()
+        waited = reply.ended_at - marks["second"]
+        assert waited <= 3.0, f"ended {waited:.2f} s after the second SIGTERM: {reply.describe()}"
+    assert code == 0, f"exit status {code}:\n{server.log_text()}"
+    assert_log_clean(server)
