@@ -53,6 +53,21 @@ def streaming_load(client, bodies, started: list[anyio.Event]):
     return calls
 
 
+def assert_ended_with_errors(replies, since: float, earliest: float, latest: float) -> None:
+    """Every reply ended with its terminal error (a stream: status 200, some text, its
+    error event and [DONE]; a whole reply: a 5xx), ``earliest``-``latest`` s after
+    ``since``."""
+    assert_all_terminal(replies)
+    for reply in replies:
+        assert reply.error is not None, f"expected a terminal error: {reply.describe()}"
+        if reply.stream:
+            assert reply.status == 200 and reply.done == 1 and reply.text, reply.describe()
+        else:
+            assert reply.status is not None and reply.status >= 500, reply.describe()
+        waited = reply.ended_at - since
+        assert earliest <= waited <= latest, f"ended {waited:.2f} s after: {reply.describe()}"
+
+
 async def test_sigterm_drains_in_flight_requests_then_exits_zero(launch, reference):
     server = launch("--drain-timeout", "20", failpoints=SLOW_STEPS)
     bodies = [chat_body(i, max_tokens=64) for i in range(8)]
@@ -125,15 +140,7 @@ async def test_drain_timeout_ends_the_stragglers_with_an_error_and_exits_zero(la
                                    alongside=[terminate])
             code = await process_exit(server, timeout=15)
 
-    assert_all_terminal(replies)
-    for reply in replies:
-        assert reply.error is not None, f"expected a terminal error: {reply.describe()}"
-        if reply.stream:
-            assert reply.status == 200 and reply.done == 1 and reply.text, reply.describe()
-        else:
-            assert reply.status is not None and reply.status >= 500, reply.describe()
-        waited = reply.ended_at - marks["sigterm"]
-        assert 0.9 <= waited <= 5.0, f"ended {waited:.2f} s after SIGTERM: {reply.describe()}"
+    assert_ended_with_errors(replies, marks["sigterm"], 0.9, 5.0)
     assert code == 0, f"exit status {code}:\n{server.log_text()}"
     assert_log_clean(server)
 
@@ -190,14 +197,6 @@ async def test_a_second_sigterm_ends_every_request_with_its_error_and_exits_zero
                                    alongside=[terminate_twice])
             code = await process_exit(server, timeout=15)
 
-    assert_all_terminal(replies)
-    for reply in replies:
-        assert reply.error is not None, f"expected a terminal error: {reply.describe()}"
-        if reply.stream:
-            assert reply.status == 200 and reply.done == 1 and reply.text, reply.describe()
-        else:
-            assert reply.status is not None and reply.status >= 500, reply.describe()
-        waited = reply.ended_at - marks["second"]
-        assert waited <= 3.0, f"ended {waited:.2f} s after the second SIGTERM: {reply.describe()}"
+    assert_ended_with_errors(replies, marks["second"], 0.0, 3.0)
     assert code == 0, f"exit status {code}:\n{server.log_text()}"
     assert_log_clean(server)
