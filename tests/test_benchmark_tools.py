@@ -415,3 +415,16 @@ def test_the_text_cost_times_each_tokens_text_for_every_stream(tiny_model_dir):
         assert ours["calls"] == theirs["calls"] == 15
         assert ours["chars"] == theirs["chars"] > 0  # the same text either way
         assert 0 < ours["cpu_us_per_token"] and 0 < ours["wall_us_per_token"]
+
+
+def test_large_reply_measures_health_while_a_whole_reply_is_made(tiny_server, tmp_path):
+    from benchmarks.large_reply import main
+
+    out = tmp_path / "large.json"
+    assert main(["--base-url", tiny_server.base_url, "--n", "2", "--max-tokens", "40",
+                 "--top-logprobs", "3", "--rounds", "1", "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["rounds"]
+    assert result["status"] == 200 and result["failed_probes"] == 0
+    assert result["probes"] >= 1 and result["probe_max_ms"] > 0
+    reply_tokens = 2 * 40
+    assert result["reply_bytes"] > reply_tokens * 4 * 20  # every token with 3 alternatives

@@ -3,9 +3,11 @@ large ones are built off the event loop, encoded a slice at a time, to the same 
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 
+import anyio
 import pytest
 from mlx_lm.tool_parsers import pythonic
 
@@ -67,3 +69,31 @@ async def test_a_large_reply_is_built_off_the_event_loop():
     assert small.body == b'{"a":1}'
     assert large.body == JSONResponse(LARGE).body
     assert large.media_type == "application/json"
+
+
+@pytest.mark.anyio
+async def test_the_collector_is_off_while_any_large_reply_is_built():
+    """Two large replies at once: the collector stays off until the second is done."""
+    first_building, second_done, seen = threading.Event(), threading.Event(), []
+
+    def first() -> dict:
+        seen.append(gc.isenabled())
+        first_building.set()
+        assert second_done.wait(10)
+        seen.append(gc.isenabled())  # the second finished; this one still builds
+        return {"a": 1}
+
+    def second() -> dict:
+        assert first_building.wait(10)
+        seen.append(gc.isenabled())
+        return {"b": 2}
+
+    assert gc.isenabled()
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(json_reply, LARGE_REPLY_ITEMS + 1, first)
+            await anyio.to_thread.run_sync(first_building.wait, 10)
+            await json_reply(LARGE_REPLY_ITEMS + 1, second)
+            second_done.set()
+    assert seen == [False, False, False]
+    assert gc.isenabled()
