@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from openai.types import chat as chat_types
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
@@ -35,5 +36,19 @@ def test_every_sdk_field_has_a_place_in_the_policy(endpoint):
     unplaced = set(params.__annotations__) - set(model.model_fields) - listed
     if unplaced and Version(openai.__version__) > CHECKED_AGAINST:
         pytest.skip(f"openai {openai.__version__} has {endpoint} fields newer than the "
+                    f"policy: {sorted(unplaced)}")
+    assert not unplaced
+
+
+@pytest.mark.parametrize("message", [
+    chat_types.ChatCompletionAssistantMessageParam, chat_types.ChatCompletionUserMessageParam,
+    chat_types.ChatCompletionSystemMessageParam, chat_types.ChatCompletionDeveloperMessageParam,
+    chat_types.ChatCompletionToolMessageParam,
+])
+def test_every_sdk_message_field_has_a_place_in_the_policy(message):
+    unplaced = (set(message.__annotations__) - set(protocol.ChatMessage.model_fields)
+                - protocol.MESSAGE_UNSUPPORTED)
+    if unplaced and Version(openai.__version__) > CHECKED_AGAINST:
+        pytest.skip(f"openai {openai.__version__} has message fields newer than the "
                     f"policy: {sorted(unplaced)}")
     assert not unplaced

@@ -123,6 +123,8 @@ CHAT_400 = [
     ({"model": MODEL}, "messages"),
     ({"messages": None}, "messages"),  # a required field's null is no default
     ({"messages": [{"role": "user"}]}, "messages"),  # only an assistant may leave it out
+    ({"messages": [*HI, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
+                   *HI]}, "messages.1.function_call"),  # the deprecated functions API
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": HI, "temperature": -0.5}, "temperature"),
@@ -197,6 +199,19 @@ def test_invalid_completion_parameter_is_400_naming_it(http, body, param):
     error = error_of(http.post("/v1/completions", json=body), 400)
     assert error["type"] == "invalid_request_error"
     assert param_matches(error, param), error
+
+
+def test_an_assistant_refusal_is_text_it_said(http):
+    """As OpenAI returns it and clients send it back: in the prompt, as its content."""
+    def prompt_tokens(assistant: dict) -> int:
+        body = {"messages": [*HI, {"role": "assistant", **assistant}, *HI], "max_tokens": 1}
+        reply = http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens"]
+
+    said = "I cannot help with that."
+    assert prompt_tokens({"refusal": said}) == prompt_tokens({"content": said}) \
+        > prompt_tokens({"content": ""})
 
 
 @pytest.mark.parametrize(("path", "body"), [

@@ -31,6 +31,9 @@ UNSUPPORTED_FIELDS = frozenset({
     # vLLM's, which its clients send in extra_body
     "use_beam_search", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
 })
+# Fields of a chat message that would change the prompt and are not served: an earlier
+# audio reply by its id, and the function call of OpenAI's deprecated functions API.
+MESSAGE_UNSUPPORTED = frozenset({"audio", "function_call"})
 # Template arguments a client may pass through ``chat_template_kwargs``. ``tokenize`` and
 # friends are ours to decide; anything unknown would be silently meaningless.
 CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort",
@@ -186,6 +189,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant's, as OpenAI returns it: text it said
     reasoning: str | None = None
     reasoning_content: str | None = None
 
@@ -203,7 +207,7 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        return parts_text(self.content)
+        return parts_text(self.content) or self.refusal or ""
 
 
 class FunctionDefinition(BaseModel):

@@ -22,6 +22,7 @@ from mlx_serve.guided import guided_format
 from mlx_serve.prompts import Rendered, render_chat, with_allowed_tools
 from mlx_serve.protocol import (
     ACCEPTED_NO_EFFECT,
+    MESSAGE_UNSUPPORTED,
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -230,6 +231,9 @@ async def build_chat_request(
     body: ChatCompletionRequest, runner: Any, settings: Settings, request_id: str
 ) -> Prepared:
     check_shared_fields(body, settings)
+    for i, message in enumerate(body.messages):
+        check_extra_fields(message.model_extra, MESSAGE_UNSUPPORTED, frozenset(),
+                           f"messages.{i}.")
     body = with_allowed_tools(body)
     if body.top_logprobs and not body.logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
