@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from mlx_serve.prompts import Rendered
+from mlx_serve.request_building import _reasoning_markers
 from mlx_serve.runner.formats import compile_format
 from tests.test_agentic import chat
 from tests.test_strict_tool_calls import (
@@ -79,26 +81,34 @@ def test_a_replay_past_the_reasoning_resumes_the_format(agentic_tokenizer):
     fmt.make_processor_at(0, reply_tokens(agentic_tokenizer, "not JSON, still reasoning"))
 
 
-def test_a_model_may_open_its_own_reasoning_before_the_format(agentic_server,
-                                                              agentic_tokenizer):
-    """Thinking off in the template (the reply starts outside reasoning), the model may
-    still open a span with its first token, as Qwen3 writes <think> itself; the span is
-    free and the answer after it follows the schema. Both markers are biased up: the
-    span opens at once and closes soon."""
+@pytest.mark.parametrize("thinking_off", [{"chat_template_kwargs": {"enable_thinking": False}},
+                                          {"reasoning_effort": "none"}])
+def test_with_thinking_off_the_format_applies_from_the_first_token(agentic_server,
+                                                                    agentic_tokenizer,
+                                                                    thinking_off):
+    """The request turned thinking off: the model may not open a reasoning span, even with
+    both markers biased up, and the reply is the answer alone, in its schema."""
     think_start, think_end = 512, 513  # the agentic tiny model's <think>, </think>
     for seed in (0, 1):
         reply = chat(agentic_server, response_format=ANSWER, max_tokens=60,
-                     temperature=1.0, seed=seed,
-                     chat_template_kwargs={"enable_thinking": False},
+                     temperature=1.0, seed=seed, **thinking_off,
                      logit_bias={str(think_start): 100, str(think_end): 100})
         choice = reply.json()["choices"][0]
         assert choice["finish_reason"] == "stop", choice
-        content = choice["message"]["content"]
-        assert json.loads(content)["answer"] in ("yes", "no")
-        # The span's two markers came before the answer (a grammar from the first token
-        # would have masked the start marker: the reply would be the answer alone).
-        answer_tokens = len(agentic_tokenizer.encode(content, add_special_tokens=False))
-        assert reply.json()["usage"]["completion_tokens"] >= answer_tokens + 2
+        assert json.loads(choice["message"]["content"])["answer"] in ("yes", "no")
+        assert not choice["message"].get("reasoning_content")
+        assert reply.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+
+
+@pytest.mark.parametrize(("initial", "thinking_off", "kind"), [
+    ("reasoning", False, "after_reasoning"),  # the template opened the span
+    ("normal", False, "may_reason_first"),  # the model may open it (Qwen3 writes <think>)
+    ("normal", True, None),  # the request turned thinking off
+])
+def test_where_a_format_leaves_reasoning_free(agentic_tokenizer, initial, thinking_off, kind):
+    rendered = Rendered([1], None, True, initial, thinking_off=thinking_off)
+    markers = _reasoning_markers(agentic_tokenizer, rendered)
+    assert (markers and markers["type"]) == kind
 
 
 def test_a_replay_of_a_reply_that_opened_its_reasoning(agentic_tokenizer):

@@ -223,8 +223,9 @@ def _reasoning_markers(tokenizer: Any, rendered: Rendered) -> dict | None:
         return None
     if rendered.initial_state == "reasoning":
         return {"type": "after_reasoning", "think_end": end}
-    return None if start is None else {"type": "may_reason_first", "think_start": start,
-                                       "think_end": end}
+    if start is None or rendered.thinking_off:  # thinking off: the format from the start
+        return None
+    return {"type": "may_reason_first", "think_start": start, "think_end": end}
 
 
 async def build_chat_request(
