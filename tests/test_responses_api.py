@@ -146,3 +146,11 @@ def test_a_client_leaving_a_stream_ends_its_request(server, lines):
     # Without its client the request leaves the batch, long before its 1,500 tokens.
     body = wait_health(server, lambda body: body["running"] == 0 and body["waiting"] == 0)
     assert body["steps"] - steps < 1000, body
+
+
+def test_a_seed_makes_a_sampled_response_repeat_as_in_chat(client):
+    """Not an OpenAI Responses field, but chat's (and vLLM's): honoured alike."""
+    ask = {"model": MODEL, "input": QUESTION, "max_output_tokens": 12, "temperature": 1.0}
+    seeded = [client.responses.create(**ask, extra_body={"seed": seed}).output_text
+              for seed in (5, 5, 6)]
+    assert seeded[0] == seeded[1] != seeded[2]

@@ -207,6 +207,7 @@ class ResponsesRequest(NullsTakeDefaults):
     store: bool = True  # as at OpenAI: kept for previous_response_id unless told not to
     include: list[str] | None = None  # only "message.output_text.logprobs" is served
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    seed: int | None = None  # not OpenAI's here; chat's (and vLLM's), so honoured alike
     # As OpenAI's: up to 16 pairs of strings, kept with the response and returned in it.
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
                              Annotated[str, Field(max_length=512)]],

@@ -80,7 +80,8 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
             mode=choice.mode, tools=choice.tools))
     return ChatCompletionRequest(
         messages=_messages(body), max_completion_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, stream=body.stream, user=body.user,
+        temperature=body.temperature, top_p=body.top_p, seed=body.seed, stream=body.stream,
+        user=body.user,
         response_format=_response_format(body), tools=tools, tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls,
         reasoning_effort=body.reasoning.effort if body.reasoning is not None else None,
