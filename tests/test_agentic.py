@@ -128,6 +128,27 @@ def test_thinking_models_return_reasoning_separately(agentic_server):
     assert plain["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
 
 
+@pytest.mark.parametrize("tools", [{}, {"tool_choice": "none", "tools": [{
+    "type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}])
+def test_without_tools_a_tool_call_marker_is_a_special_token_and_the_text_stays(
+        agentic_server, agentic_tokenizer, tools):
+    """No call is parsed without tools (or with tool_choice none), as in vLLM: the text
+    after a <tool_call> marker stays in the content, the marker left out like any special
+    token (shown with skip_special_tokens false)."""
+    ask = {"max_tokens": 30, "temperature": 1.0, "seed": 1, "logit_bias": {"514": 8},
+           "chat_template_kwargs": {"enable_thinking": False}, **tools}
+    shown = chat(agentic_server, skip_special_tokens=False, **ask).json()["choices"][0]
+    skipped = chat(agentic_server, **ask).json()["choices"][0]
+    raw = shown["message"]["content"]
+    assert "<tool_call>" in raw and not shown["message"].get("tool_calls"), shown
+    without_special = raw
+    for token in agentic_tokenizer.added_tokens_decoder.values():
+        if token.special:
+            without_special = without_special.replace(token.content, "")
+    assert skipped["message"]["content"] == without_special
+    assert len(raw.split("<tool_call>", 1)[1]) > 0  # text after the marker, kept
+
+
 def test_tools_and_tool_results_go_through_the_template(agentic_server):
     without = chat(agentic_server).json()["usage"]["prompt_tokens"]
     reply = chat(agentic_server, messages=HISTORY, tools=TOOLS, tool_choice="auto")

@@ -48,6 +48,9 @@ class OutputOptions:
 
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus k alternatives
     split_reasoning: bool = False  # route thinking/tool-call spans apart (chat only)
+    # Tools were offered: a tool-call span is a call. Without them (or with tool_choice
+    # "none") no call is parsed, and a tool-call marker is a special token like any other.
+    tool_calls: bool = True
     initial_state: str = "normal"  # "reasoning" when the prompt opened a thinking span
     keep_leading_space: bool = False  # chat replies drop the first token's space
     one_tool_call: bool = False  # end the reply where its first tool call ends

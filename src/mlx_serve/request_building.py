@@ -247,6 +247,7 @@ async def build_chat_request(
                              len(rendered.tokens), runner, settings)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     output = OutputOptions(logprobs=logprobs, split_reasoning=rendered.split_reasoning,
+                           tool_calls=rendered.tools is not None,
                            initial_state=rendered.initial_state,
                            # a continued message's next word keeps its leading space
                            keep_leading_space=body.continue_final_message,

@@ -35,7 +35,7 @@ from mlx_serve.runner.memory import MLXMemory
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.prompt_scoring import Scored, score_requests
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
-from mlx_serve.runner.special_tokens import SpecialTokens
+from mlx_serve.runner.special_tokens import SpecialTokens, without_tool_calls
 from mlx_serve.runner.text import TextPipeline
 from mlx_serve.runner.tokenizer_side import json_tool_parser
 
@@ -76,7 +76,9 @@ class Runner:
         self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
         has_markers = getattr(tokenizer, "has_thinking", False) or getattr(
             tokenizer, "has_tool_calling", False)
-        self._text_machine = make_text_state_machine(tokenizer) if has_markers else None
+        self._text_machines = {  # by whether the request parses tool calls
+            calls: make_text_state_machine(tokenizer if calls else without_tool_calls(tokenizer))
+            if has_markers else None for calls in (True, False)}
         self.token_texts = TokenTexts(tokenizer)
         self._new_detokenizer = streaming_detokenizers(tokenizer)  # one per request
         self._live: dict[str, Live] = {}
@@ -241,8 +243,8 @@ class Runner:
 
     def _new_live(self, request: GenerationRequest) -> Live:
         # Special tokens take their place in the reply but show no text (as vLLM's).
-        text = TextPipeline(self._new_detokenizer(), request, self._text_machine,
-                            self._special)
+        text = TextPipeline(self._new_detokenizer(), request,
+                            self._text_machines[request.output.tool_calls], self._special)
         return Live(request, text)
 
     def _admit(self, admissions: Sequence[GenerationRequest]) -> list[tuple[str, Exception]]:

@@ -27,21 +27,25 @@ class SpecialTokens:
         decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._texts = {i: t.content for i, t in decoder.items() if getattr(t, "special", False)}
         self.eos = eos_ids
-        markers = marker_strings(tokenizer)
         self._all = frozenset(self._texts)
-        self._unmarked = frozenset(i for i, text in self._texts.items()
-                                   if not any(text in marker for marker in markers))
-        self._sets: dict[tuple[bool, bool, tuple[str, ...]], frozenset[int]] = {}
+        # Left out when the state machine reads the markers: all but theirs; without tool
+        # calls, the call markers are special tokens like any other.
+        self._unmarked = {calls: frozenset(
+            i for i, text in self._texts.items()
+            if not any(text in marker for marker in marker_strings(tokenizer, calls)))
+            for calls in (True, False)}
+        self._sets: dict[tuple[bool, bool, bool, tuple[str, ...]], frozenset[int]] = {}
 
     def hidden(self, request: GenerationRequest, reads_markers: bool) -> frozenset[int]:
         """The tokens left out of ``request``'s text outside tool calls; ``reads_markers``:
-        its text goes through the state machine, which must see the markers."""
+        its text goes through the state machine, which must see the markers (the tool-call
+        ones only where the request parses calls)."""
         ignore_eos = request.params.ignore_eos
         if not request.output.skip_special_tokens:
             return self.eos if ignore_eos else frozenset()
         # Made on the MLX thread as a request is admitted: a tokenizer may have thousands
         # of special tokens, and requests mostly share their settings.
-        key = (reads_markers, ignore_eos, request.params.stop)
+        key = (reads_markers, request.output.tool_calls, ignore_eos, request.params.stop)
         found = self._sets.get(key)
         if found is None:
             if len(self._sets) >= _SETS_KEPT:
@@ -53,23 +57,37 @@ class SpecialTokens:
         """The tokens left out inside a tool call: only an ignored end-of-sequence one."""
         return self.eos if request.params.ignore_eos else frozenset()
 
-    def _make(self, reads_markers: bool, ignore_eos: bool, stop: tuple[str, ...]
+    def _make(self, reads_markers: bool, calls: bool, ignore_eos: bool, stop: tuple[str, ...]
               ) -> frozenset[int]:
-        hidden = self._unmarked if reads_markers else self._all
+        hidden = self._unmarked[calls] if reads_markers else self._all
         if stop:
             hidden = frozenset(i for i in hidden
                                if not any(self._texts[i] in s for s in stop))
         return hidden | self.eos if ignore_eos else hidden
 
 
-def marker_strings(tokenizer: Any) -> tuple[str, ...]:
-    """The text that mlx-lm's ``make_text_state_machine`` matches for this tokenizer."""
+def marker_strings(tokenizer: Any, calls: bool = True) -> tuple[str, ...]:
+    """The text that mlx-lm's ``make_text_state_machine`` matches for this tokenizer
+    (``calls`` false: for ``without_tool_calls(tokenizer)``)."""
     found: list[str] = []
     if getattr(tokenizer, "has_thinking", False):
         found += [tokenizer.think_start, tokenizer.think_end]
-    if getattr(tokenizer, "has_tool_calling", False):
+    if calls and getattr(tokenizer, "has_tool_calling", False):
         found += [tokenizer.tool_call_start, tokenizer.tool_call_end]
     found += getattr(tokenizer, "structural_markers", ()) or ()
     for edges in (getattr(tokenizer, "response_transitions", None) or {}).values():
         found += [text for text, _ in edges]
     return tuple(text for text in found if text)
+
+
+class without_tool_calls:  # noqa: N801 - reads as the function it stands in for
+    """A tokenizer's view with no tool calling, for the text state machine of a request
+    that parses no calls: its call markers are then no transitions."""
+
+    has_tool_calling = False
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
