@@ -287,23 +287,20 @@ def test_a_forced_function_call_comes_back_as_a_function_call_item(agentic_serve
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     kinds = [e.type for e in events if e.type not in (
         "response.output_text.delta", "response.function_call_arguments.delta")]
-    assert kinds == [
-        "response.created", "response.in_progress", "response.output_item.added",
-        "response.content_part.added",
-        # the call, item 1: opened once its name is written, its arguments as they come
+    assert kinds == [  # no message: the reply is the call alone, item 0, as at OpenAI
+        "response.created", "response.in_progress",
+        # the call: opened once its name is written, its arguments as they come
         "response.output_item.added",
         "response.function_call_arguments.done", "response.output_item.done",
-        # the message, item 0, then the response
-        "response.output_text.done", "response.content_part.done",
-        "response.output_item.done", "response.completed"]
+        "response.completed"]
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert (done.name, done.arguments, done.output_index) == (
-        "get_weather", chat_call["function"]["arguments"], 1)  # the message is item 0
+        "get_weather", chat_call["function"]["arguments"], 0)
     assert len(pieces) > 1 and "".join(pieces) == done.arguments
     final = events[-1].response
     assert final.status == "completed"
     assert [(o.type, getattr(o, "name", None)) for o in final.output] == [
-        ("message", None), ("function_call", "get_weather")]
+        ("function_call", "get_weather")]
 
 
 def test_a_response_echoes_its_tools_and_allowed_tools_choice(agentic_server):

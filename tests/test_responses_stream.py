@@ -76,9 +76,9 @@ def test_the_sdks_stream_helper_rebuilds_a_thinking_models_response(agentic_serv
     assert first.type == "reasoning" and first.content[0].text == reasoning
     opened = next(e for e in events if e.type == "response.output_item.added")
     assert (opened.output_index, opened.item.id) == (0, first.id)
-    message = next(o for o in final.output if o.type == "message")
-    assert final.output.index(message) == 1
-    assert [e.output_index for e in events if e.type == "response.content_part.added"] == [1]
+    # Cut off while reasoning: no message item, as OpenAI lists such a Response.
+    assert [o.type for o in final.output] == ["reasoning"]
+    assert not [e for e in events if e.type == "response.content_part.added"]
     assert 0 < final.usage.output_tokens_details.reasoning_tokens <= 12
 
 
@@ -109,3 +109,24 @@ def test_a_call_cut_off_at_max_output_tokens_is_an_incomplete_item(agentic_token
     done = next(e for e in events if e.type == "response.output_item.done"
                 and e.item.type == "function_call")
     assert done.item.status == "incomplete"
+
+
+def test_a_forced_call_is_the_whole_output(agentic_server):
+    """tool_choice required: the Response lists the call alone, no empty message before
+    it, streamed (no text events) or not."""
+    tools = [{"type": "function", "name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}]
+    ask = {"model": "agentic", "input": "What is the weather?", "tools": tools,
+           "tool_choice": "required", "max_output_tokens": 60, "temperature": 0}
+    with sdk(agentic_server) as client:
+        whole = client.responses.create(**ask)
+        with client.responses.stream(**ask) as stream:
+            events = list(stream)
+    final = events[-1].response
+    for response in (whole, final):
+        assert response.status == "completed", response
+        assert [o.type for o in response.output] == ["function_call"]
+        assert json.loads(response.output[0].arguments)["city"] in ("Paris", "Rome")
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0]
+    assert not [e for e in events if "output_text" in e.type or "content_part" in e.type]

@@ -189,18 +189,15 @@ class ResponseBuilder:
                 "status": status}
 
     def response(self, status: str, choice: Choice | None = None, prompt_tokens: int = 0,
-                 error: MLXServeError | None = None) -> dict[str, Any]:
+                 error: MLXServeError | None = None, message_after_calls: bool = False
+                 ) -> dict[str, Any]:
+        """``message_after_calls``: a stream opened the message after the calls (text
+        written after them), and the output lists the items in the stream's order."""
         body = self._body
-        output = []
+        output: list[dict[str, Any]] = []
         incomplete = None
         if choice is not None:
-            if choice.reasoning:
-                output.append(self.reasoning("".join(choice.reasoning), "completed"))
-            text = "".join(choice.content)
-            output.append(self.message(text, "completed" if status == "completed"
-                                       else "incomplete", choice.logprobs))
-            output += [function_call_item(call, choice.call_complete(i))
-                       for i, call in enumerate(choice.tool_calls)]
+            output = self._output(choice, status, message_after_calls)
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
         return {
@@ -221,6 +218,26 @@ class ResponseBuilder:
             "metadata": body.metadata or {},
             "usage": _usage(choice, prompt_tokens) if choice is not None else None,
         }
+
+
+    def _output(self, choice: Choice, status: str, message_after_calls: bool
+                ) -> list[dict[str, Any]]:
+        """The reasoning, the message and the function calls, as OpenAI lists them: no
+        message item for a reply of calls or reasoning alone with no text."""
+        output = [self.reasoning("".join(choice.reasoning), "completed")] \
+            if choice.reasoning else []
+        calls = [function_call_item(call, choice.call_complete(i))
+                 for i, call in enumerate(choice.tool_calls)]
+        if not has_message(choice):
+            return output + calls
+        message = self.message("".join(choice.content), "completed" if status == "completed"
+                               else "incomplete", choice.logprobs)
+        return output + (calls + [message] if message_after_calls else [message] + calls)
+
+
+def has_message(choice: Choice) -> bool:
+    """Whether a Response lists a message: when the reply wrote text, or nothing else."""
+    return any(choice.content) or not (choice.tool_calls or choice.reasoning)
 
 
 def _echoed(value: Any) -> Any:

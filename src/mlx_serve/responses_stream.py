@@ -2,11 +2,12 @@
 
 The items open as the model writes them, in the order the final Response lists them: the
 reasoning (thinking models; its text as ``response.reasoning_text.delta`` events), the
-message (``response.output_text.delta``), then each function call (its arguments as
-``response.function_call_arguments.delta`` while they are written). An item is closed
-(``...done`` events) when the next one opens or the reply ends, and every id and output
-index in the events is the one the final Response carries, so the SDK's stream helper
-rebuilds exactly that Response.
+message at the reply's first text (``response.output_text.delta``; none for a reply of
+calls or reasoning alone, as at OpenAI), and each function call (its arguments as
+``response.function_call_arguments.delta`` while they are written). The reasoning is
+closed (``...done`` events) when the next item opens, the message and the calls when
+theirs end or the reply does, and every id and output index in the events is the one the
+final Response carries, so the SDK's stream helper rebuilds exactly that Response.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mlx_serve.responses_api import (
     ResponseBuilder,
     final_status,
     function_call_item,
+    has_message,
     output_text,
 )
 from mlx_serve.streaming import QuietPings, pings_until_output, tell_tracker
@@ -53,6 +55,7 @@ class _OutputItems:
         self.reasoning_at: int | None = None
         self.reasoning_open = False
         self.message_at: int | None = None
+        self.call_at: dict[int, int] = {}  # a call's position in the reply: its index
         self.pending: list[dict[str, Any]] = []  # logprobs not sent with a text delta yet
 
     def message_where(self) -> dict[str, Any]:
@@ -71,9 +74,8 @@ class _OutputItems:
                 "response.reasoning_text.delta", item_id=self.builder.reasoning_id,
                 output_index=self.reasoning_at, content_index=0, delta=delta.reasoning))
         self.pending += [chat_logprob(t) for t in delta.logprobs]
-        if delta.text or updates:
-            frames += self.open_message()
         if delta.text:
+            frames += self.open_message()
             frames.append(self.event("response.output_text.delta", **self.message_where(),
                                      delta=delta.text, logprobs=list(self.pending)))
             self.pending.clear()
@@ -99,7 +101,7 @@ class _OutputItems:
                            item=self.builder.reasoning(text, "completed"))]
 
     def open_message(self) -> list[bytes]:
-        """The message item's opening, once: after the reasoning, before any call."""
+        """The message item's opening, once, at its first text: after the reasoning."""
         if self.message_at is not None:
             return []
         frames = self._close_reasoning()
@@ -113,16 +115,18 @@ class _OutputItems:
 
     def _call_events(self, update: CallUpdate) -> list[bytes]:
         """A function call's events: the item when it opens, its arguments as they are
-        written, and the whole call when it is done. Calls follow the message."""
-        assert self.message_at is not None
+        written, and the whole call when it is done. Calls follow the reasoning."""
+        frames = self._close_reasoning() if update.opened else []
+        if update.opened:
+            self.call_at[update.position] = self.opened
+            self.opened += 1
         call = self.choice.tool_calls[update.position]
-        index = self.message_at + 1 + update.position
+        index = self.call_at[update.position]
         where = {"item_id": f"fc_{call['id']}", "output_index": index}
         if not (update.opened or update.done):  # most updates: a piece of arguments
             return [self.event("response.function_call_arguments.delta", **where,
                                delta=update.arguments)] if update.arguments else []
         item = function_call_item(call, self.choice.call_complete(update.position))
-        frames = []
         if update.opened:
             frames.append(self.event("response.output_item.added", output_index=index,
                                      item={**item, "arguments": "", "status": "in_progress"}))
@@ -142,8 +146,14 @@ class _OutputItems:
             final = builder.response("failed", choice, prompt_tokens, error)
             return [self.event("response.failed", response=final)], final
         status = final_status(choice)
-        final = builder.response(status, choice, prompt_tokens)
-        frames = self.open_message()  # a reply of reasoning alone, or of nothing
+        if not has_message(choice):  # calls or reasoning alone
+            final = builder.response(status, choice, prompt_tokens)
+            return self._close_reasoning() + [self.event(f"response.{status}",
+                                                         response=final)], final
+        frames = self.open_message()  # a reply of nothing at all: an empty message
+        assert self.message_at is not None
+        after = any(at < self.message_at for at in self.call_at.values())
+        final = builder.response(status, choice, prompt_tokens, message_after_calls=after)
         # The events repeat the final Response's message (its logprobs built once, there).
         message = next(item for item in final["output"] if item["type"] == "message")
         text = "".join(choice.content)
