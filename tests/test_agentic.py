@@ -149,6 +149,25 @@ def test_without_tools_a_tool_call_marker_is_a_special_token_and_the_text_stays(
     assert len(raw.split("<tool_call>", 1)[1]) > 0  # text after the marker, kept
 
 
+@pytest.mark.parametrize(("thinking", "marker", "where"), [
+    (False, 513, "content"),  # </think> outside reasoning
+    (False, 515, "content"),  # </tool_call> outside a call
+    (True, 512, "reasoning"),  # <think> inside reasoning
+])
+def test_a_marker_where_it_moves_nothing_is_a_special_token(agentic_server, thinking,
+                                                            marker, where):
+    """As vLLM's skip_special_tokens: such a marker adds no text (shown with it false)."""
+    ask = {"max_tokens": 20, "temperature": 1.0, "seed": 3, "logit_bias": {str(marker): 8},
+           "chat_template_kwargs": {"enable_thinking": thinking}}
+    text = {}
+    for skip in (True, False):
+        reply = chat(agentic_server, skip_special_tokens=skip, **ask).json()
+        text[skip] = reply["choices"][0]["message"].get(where) or ""
+    marker_text = {512: "<think>", 513: "</think>", 515: "</tool_call>"}[marker]
+    assert marker_text in text[False]
+    assert marker_text not in text[True] and text[True]
+
+
 def test_tools_and_tool_results_go_through_the_template(agentic_server):
     without = chat(agentic_server).json()["usage"]["prompt_tokens"]
     reply = chat(agentic_server, messages=HISTORY, tools=TOOLS, tool_choice="auto")

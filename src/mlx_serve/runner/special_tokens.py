@@ -35,6 +35,8 @@ class SpecialTokens:
             if not any(text in marker for marker in marker_strings(tokenizer, calls)))
             for calls in (True, False)}
         self._sets: dict[tuple[bool, bool, bool, tuple[str, ...]], frozenset[int]] = {}
+        self._strays = _stray_markers(tokenizer, {text: i for i, text in self._texts.items()})
+        self._by_state: dict[frozenset[int], dict[str, frozenset[int]]] = {}
 
     def hidden(self, request: GenerationRequest, reads_markers: bool) -> frozenset[int]:
         """The tokens left out of ``request``'s text outside tool calls; ``reads_markers``:
@@ -51,6 +53,22 @@ class SpecialTokens:
             if len(self._sets) >= _SETS_KEPT:
                 self._sets.clear()
             found = self._sets[key] = self._make(*key)
+        return found
+
+    def hidden_by_state(self, request: GenerationRequest, reads_markers: bool
+                        ) -> dict[str, frozenset[int]]:
+        """``hidden()`` in each state of the text state machine that differs from it: a
+        marker token where it moves nothing (a ``</think>`` outside reasoning) is a
+        special token like the others, left out of the text."""
+        hidden = self.hidden(request, reads_markers)
+        if not (reads_markers and request.output.skip_special_tokens and self._strays):
+            return {}
+        found = self._by_state.get(hidden)
+        if found is None:
+            if len(self._by_state) >= _SETS_KEPT:
+                self._by_state.clear()
+            found = self._by_state[hidden] = {
+                state: hidden | strays for state, strays in self._strays.items()}
         return found
 
     def hidden_in_call(self, request: GenerationRequest) -> frozenset[int]:
@@ -78,6 +96,21 @@ def marker_strings(tokenizer: Any, calls: bool = True) -> tuple[str, ...]:
     for edges in (getattr(tokenizer, "response_transitions", None) or {}).values():
         found += [text for text, _ in edges]
     return tuple(text for text in found if text)
+
+
+def _stray_markers(tokenizer: Any, special_ids: dict[str, int]) -> dict[str, frozenset[int]]:
+    """By state, the special marker tokens that are no transition there: the end of a
+    reasoning span outside one, a call's end outside a call, a span's start inside it."""
+    def ids(*texts: str | None) -> frozenset[int]:
+        return frozenset(special_ids[t] for t in texts if t in special_ids)
+
+    think_start = think_end = call_end = None
+    if getattr(tokenizer, "has_thinking", False):
+        think_start, think_end = tokenizer.think_start, tokenizer.think_end
+    if getattr(tokenizer, "has_tool_calling", False):
+        call_end = tokenizer.tool_call_end
+    strays = {"normal": ids(think_end, call_end), "reasoning": ids(think_start, call_end)}
+    return {state: found for state, found in strays.items() if found}
 
 
 class without_tool_calls:  # noqa: N801 - reads as the function it stands in for

@@ -27,7 +27,8 @@ class TextPiece(NamedTuple):
 
 
 class TextPipeline:
-    __slots__ = ("_detok", "_stops", "_unchecked", "_hidden", "_hidden_in_call", "_machine",
+    __slots__ = ("_detok", "_stops", "_unchecked", "_hidden", "_hidden_in_call",
+                 "_hidden_by_state", "_machine",
                  "_state", "_prev", "_tool_text", "_one_call")
 
     def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any,
@@ -44,9 +45,11 @@ class TextPipeline:
         use_machine = request.output.split_reasoning and machine is not None
         self._machine = machine if use_machine else None
         self._hidden = self._hidden_in_call = frozenset[int]()
+        self._hidden_by_state: dict[str, frozenset[int]] = {}
         if special is not None:
             self._hidden = special.hidden(request, reads_markers=use_machine)
             self._hidden_in_call = special.hidden_in_call(request)
+            self._hidden_by_state = special.hidden_by_state(request, reads_markers=use_machine)
         initial = request.output.initial_state
         self._state = machine.make_state(initial) if self._machine is not None else None
         self._prev: str | None = initial
@@ -60,7 +63,9 @@ class TextPipeline:
             self._detok.finalize()
             finish = FinishReason.STOP
         else:
-            if token not in (self._hidden_in_call if self._prev == "tool" else self._hidden):
+            state = self._prev or "normal"
+            if token not in (self._hidden_in_call if state == "tool"
+                             else self._hidden_by_state.get(state, self._hidden)):
                 self._detok.add_token(token)
             if engine_finish == "length":
                 self._detok.finalize()
