@@ -173,8 +173,13 @@ def test_tools_and_tool_results_go_through_the_template(agentic_server):
     reply = chat(agentic_server, messages=HISTORY, tools=TOOLS, tool_choice="auto")
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["prompt_tokens"] > without + 20
+    auto = chat(agentic_server, tools=TOOLS).json()["usage"]["prompt_tokens"]
     none = chat(agentic_server, tools=TOOLS, tool_choice="none").json()
-    assert none["usage"]["prompt_tokens"] == without  # tools left out of the prompt
+    # As OpenAI and vLLM: the tools stay in the prompt; no call is parsed.
+    assert none["usage"]["prompt_tokens"] == auto > without
+    tokenized = httpx.post(agentic_server.base_url + "/tokenize", timeout=30, json={
+        "messages": [{"role": "user", "content": "What is the weather?"}], "tools": TOOLS})
+    assert tokenized.json()["count"] == auto  # what /tokenize renders, either way
 
 
 # Bounded strings: a random model would otherwise write one until max_tokens.

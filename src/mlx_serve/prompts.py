@@ -81,12 +81,23 @@ def with_allowed_tools(body: ChatCompletionRequest) -> ChatCompletionRequest:
 
 
 def offered_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict] | None:
+    """The tools whose calls the reply may make (and are parsed): none with tool_choice
+    "none"."""
     if not body.tools or body.tool_choice == "none":
         return None
     if not getattr(tokenizer, "has_tool_calling", False):
         raise UnsupportedParameterError(
             "this model's chat template does not support tool calling", param="tools")
     return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def prompt_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict] | None:
+    """The tools the chat template renders: the offered ones, and with tool_choice
+    "none" the same, as OpenAI and vLLM keep them in the prompt (none is parsed)."""
+    if body.tools and body.tool_choice == "none" and getattr(tokenizer, "has_tool_calling",
+                                                               False):
+        return [t.model_dump(exclude_none=True) for t in body.tools]
+    return offered_tools(body, tokenizer)
 
 
 def forced_call_schema(body: ChatCompletionRequest, tokenizer: Any) -> dict | None:
@@ -157,7 +168,8 @@ def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionReque
                            param="continue_final_message")
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+            messages, tools=prompt_tools(body, tokenizer),
+            add_generation_prompt=body.add_generation_prompt,
             tokenize=False, **kwargs)
     except Exception as exc:  # template errors, e.g. a role the template refuses
         raise RequestError(f"the chat template rejected the messages: {exc}",
