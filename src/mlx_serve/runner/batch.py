@@ -13,7 +13,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences, make_text_state_machine
+from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlx_serve.failpoints import FailPoints
 from mlx_serve.generation import Delta, FinishReason, GenerationRequest, SamplingParams, StepOutcome
@@ -35,7 +35,7 @@ from mlx_serve.runner.memory import MLXMemory
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.prompt_scoring import Scored, score_requests
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
-from mlx_serve.runner.special_tokens import SpecialTokens, without_tool_calls
+from mlx_serve.runner.special_tokens import SpecialTokens, text_machines
 from mlx_serve.runner.text import TextPipeline
 from mlx_serve.runner.tokenizer_side import json_tool_parser
 
@@ -74,11 +74,7 @@ class Runner:
         self._eos_ids = tuple(sorted(tokenizer.eos_token_ids))
         self._special = SpecialTokens(tokenizer, frozenset(self._eos_ids))
         self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
-        has_markers = getattr(tokenizer, "has_thinking", False) or getattr(
-            tokenizer, "has_tool_calling", False)
-        self._text_machines = {  # by whether the request parses tool calls
-            calls: make_text_state_machine(tokenizer if calls else without_tool_calls(tokenizer))
-            if has_markers else None for calls in (True, False)}
+        self._text_machines = text_machines(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
         self._new_detokenizer = streaming_detokenizers(tokenizer)  # one per request
         self._live: dict[str, Live] = {}

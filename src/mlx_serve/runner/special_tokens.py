@@ -86,7 +86,7 @@ class SpecialTokens:
 
 def marker_strings(tokenizer: Any, calls: bool = True) -> tuple[str, ...]:
     """The text that mlx-lm's ``make_text_state_machine`` matches for this tokenizer
-    (``calls`` false: for ``without_tool_calls(tokenizer)``)."""
+    (``calls`` false: for the machine of a request that parses no calls)."""
     found: list[str] = []
     if getattr(tokenizer, "has_thinking", False):
         found += [tokenizer.think_start, tokenizer.think_end]
@@ -113,9 +113,21 @@ def _stray_markers(tokenizer: Any, special_ids: dict[str, int]) -> dict[str, fro
     return {state: found for state, found in strays.items() if found}
 
 
-class without_tool_calls:  # noqa: N801 - reads as the function it stands in for
-    """A tokenizer's view with no tool calling, for the text state machine of a request
-    that parses no calls: its call markers are then no transitions."""
+def text_machines(tokenizer: Any) -> dict[bool, Any]:
+    """mlx-lm's text state machine for a request that parses tool calls (True) and for
+    one that does not (False: its call markers are no transitions); None for a tokenizer
+    without markers."""
+    from mlx_lm.generate import make_text_state_machine
+
+    if not (getattr(tokenizer, "has_thinking", False)
+            or getattr(tokenizer, "has_tool_calling", False)):
+        return {True: None, False: None}
+    return {True: make_text_state_machine(tokenizer),
+            False: make_text_state_machine(_WithoutToolCalls(tokenizer))}
+
+
+class _WithoutToolCalls:
+    """A tokenizer's view with no tool calling."""
 
     has_tool_calling = False
 
