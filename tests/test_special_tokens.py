@@ -94,3 +94,21 @@ def test_requests_with_the_same_settings_share_one_set_and_the_sets_kept_are_bou
     for i in range(3 * special_tokens._SETS_KEPT):
         special.hidden(request(str(i)), reads_markers=False)
     assert len(special._sets) <= special_tokens._SETS_KEPT
+
+
+def test_a_marker_where_it_moves_nothing_is_left_out_unless_a_stop_string_needs_it(
+        agentic_tokenizer):
+    from mlx_serve.runner.special_tokens import SpecialTokens
+
+    special = SpecialTokens(agentic_tokenizer, frozenset(agentic_tokenizer.eos_token_ids))
+    think_start, think_end = agentic_tokenizer.think_start_id, agentic_tokenizer.think_end_id
+
+    def by_state(*stop: str) -> dict:
+        request = GenerationRequest("r", (1,), SamplingParams(max_tokens=5, stop=stop))
+        return special.hidden_by_state(request, reads_markers=True)
+
+    plain = by_state()
+    assert think_end in plain["normal"] and think_start not in plain["normal"]
+    assert think_start in plain["reasoning"] and think_end not in plain["reasoning"]
+    assert think_end not in by_state("</think>")["normal"]  # the stop string still matches
+    assert by_state() is plain  # one dict per setting

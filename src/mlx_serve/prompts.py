@@ -26,8 +26,9 @@ class Rendered:
     # tool_choice "required" or a named function: the JSON schema the call must follow
     # (the prompt then ends inside an opened tool call)
     forced_call: dict | None = None
-    # The request turned the template's thinking off (``enable_thinking`` false, or a
-    # reasoning_effort of none or minimal): the model is not to open a reasoning span.
+    # The request turned the template's thinking off (``enable_thinking`` or ``thinking``
+    # false, or a reasoning_effort of none or minimal): the model is not to open a
+    # reasoning span.
     thinking_off: bool = False
 
 
@@ -192,7 +193,8 @@ def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionReque
         tokens += encode(opening + tokenizer.tool_call_start, add_special_tokens=False)
         initial = "tool"
     return Rendered(tokens, tools, thinking or tools is not None, initial, forced,
-                    thinking_off=kwargs.get("enable_thinking") is False)
+                    thinking_off=False in (kwargs.get("enable_thinking"),
+                                           kwargs.get("thinking")))
 
 
 def open_final_message(text: str, content: Any) -> str:

@@ -36,7 +36,8 @@ class SpecialTokens:
             for calls in (True, False)}
         self._sets: dict[tuple[bool, bool, bool, tuple[str, ...]], frozenset[int]] = {}
         self._strays = _stray_markers(tokenizer, {text: i for i, text in self._texts.items()})
-        self._by_state: dict[frozenset[int], dict[str, frozenset[int]]] = {}
+        self._by_state: dict[tuple[bool, bool, bool, tuple[str, ...]],
+                             dict[str, frozenset[int]]] = {}
 
     def hidden(self, request: GenerationRequest, reads_markers: bool) -> frozenset[int]:
         """The tokens left out of ``request``'s text outside tool calls; ``reads_markers``:
@@ -47,7 +48,7 @@ class SpecialTokens:
             return self.eos if ignore_eos else frozenset()
         # Made on the MLX thread as a request is admitted: a tokenizer may have thousands
         # of special tokens, and requests mostly share their settings.
-        key = (reads_markers, request.output.tool_calls, ignore_eos, request.params.stop)
+        key = _key(request, reads_markers)
         found = self._sets.get(key)
         if found is None:
             if len(self._sets) >= _SETS_KEPT:
@@ -60,15 +61,17 @@ class SpecialTokens:
         """``hidden()`` in each state of the text state machine that differs from it: a
         marker token where it moves nothing (a ``</think>`` outside reasoning) is a
         special token like the others, left out of the text."""
-        hidden = self.hidden(request, reads_markers)
         if not (reads_markers and request.output.skip_special_tokens and self._strays):
             return {}
-        found = self._by_state.get(hidden)
+        key = _key(request, reads_markers)
+        found = self._by_state.get(key)
         if found is None:
+            hidden, stop = self.hidden(request, reads_markers), request.params.stop
             if len(self._by_state) >= _SETS_KEPT:
                 self._by_state.clear()
-            found = self._by_state[hidden] = {
-                state: hidden | strays for state, strays in self._strays.items()}
+            found = self._by_state[key] = {  # a stop string's own tokens stay in its text
+                state: hidden | {i for i in strays if not any(self._texts[i] in s for s in stop)}
+                for state, strays in self._strays.items()}
         return found
 
     def hidden_in_call(self, request: GenerationRequest) -> frozenset[int]:
@@ -82,6 +85,13 @@ class SpecialTokens:
             hidden = frozenset(i for i in hidden
                                if not any(self._texts[i] in s for s in stop))
         return hidden | self.eos if ignore_eos else hidden
+
+
+def _key(request: GenerationRequest, reads_markers: bool
+         ) -> tuple[bool, bool, bool, tuple[str, ...]]:
+    """The settings a request's sets of tokens left out depend on."""
+    return (reads_markers, request.output.tool_calls, request.params.ignore_eos,
+            request.params.stop)
 
 
 def marker_strings(tokenizer: Any, calls: bool = True) -> tuple[str, ...]:
