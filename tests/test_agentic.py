@@ -168,6 +168,17 @@ def test_a_marker_where_it_moves_nothing_is_a_special_token(agentic_server, thin
     assert marker_text not in text[True] and text[True]
 
 
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "broken"}}])
+def test_a_forced_call_to_a_tool_with_an_invalid_schema_names_the_tools(agentic_server,
+                                                                        tool_choice):
+    broken = [{"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}]
+    reply = chat(agentic_server, tools=broken, tool_choice=tool_choice)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "tools"
+
+
 def test_tools_and_tool_results_go_through_the_template(agentic_server):
     without = chat(agentic_server).json()["usage"]["prompt_tokens"]
     reply = chat(agentic_server, messages=HISTORY, tools=TOOLS, tool_choice="auto")

@@ -178,8 +178,8 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
     reply's reasoning span, which a format leaves free."""
     asked: list[tuple[str, dict]] = []
     if forced_call is not None:
-        asked.append(("tool_choice", {"type": "json_schema", "json_schema": {
-            "name": "tool_call", "schema": forced_call}, "param": "tool_choice"}))
+        asked.append(("tool_choice", {"type": "json_schema", "json_schema": {  # the tools'
+            "name": "tool_call", "schema": forced_call}, "param": "tools"}))  # schemas
     fmt = body.response_format
     if fmt is not None and fmt.type != "text":
         asked.append(("response_format", fmt.model_dump(exclude_none=True)))
