@@ -39,7 +39,7 @@ class JSONResponse(StarletteJSONResponse):
         try:
             return super().render(content)
         except UnicodeEncodeError:
-            return json.dumps(content, allow_nan=False, separators=_SEPARATORS).encode()
+            return _ascii_json(content)
 
 
 async def json_reply(items: int, build: Callable[[], Any]) -> Response:
@@ -95,7 +95,11 @@ def render_in_slices(content: Any) -> bytes:
     try:
         return "".join(pieces).encode()
     except UnicodeEncodeError:  # a lone surrogate: ASCII JSON, as JSONResponse falls back
-        return json.dumps(content, allow_nan=False, separators=_SEPARATORS).encode()
+        return _ascii_json(content)
+
+
+def _ascii_json(content: Any) -> bytes:
+    return json.dumps(content, allow_nan=False, separators=_SEPARATORS).encode()
 
 
 def _dumps(value: Any) -> str:

@@ -89,7 +89,7 @@ def offered_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict] | N
     if not getattr(tokenizer, "has_tool_calling", False):
         raise UnsupportedParameterError(
             "this model's chat template does not support tool calling", param="tools")
-    return [t.model_dump(exclude_none=True) for t in body.tools]
+    return _tool_dicts(body)
 
 
 def prompt_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict] | None:
@@ -97,8 +97,12 @@ def prompt_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict] | No
     "none" the same, as OpenAI and vLLM keep them in the prompt (none is parsed)."""
     if body.tools and body.tool_choice == "none" and getattr(tokenizer, "has_tool_calling",
                                                                False):
-        return [t.model_dump(exclude_none=True) for t in body.tools]
+        return _tool_dicts(body)
     return offered_tools(body, tokenizer)
+
+
+def _tool_dicts(body: ChatCompletionRequest) -> list[dict]:
+    return [t.model_dump(exclude_none=True) for t in body.tools or ()]
 
 
 def forced_call_schema(body: ChatCompletionRequest, tokenizer: Any) -> dict | None:

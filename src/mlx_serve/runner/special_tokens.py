@@ -30,14 +30,16 @@ class SpecialTokens:
         self._all = frozenset(self._texts)
         # Left out when the state machine reads the markers: all but theirs; without tool
         # calls, the call markers are special tokens like any other.
-        self._unmarked = {calls: frozenset(
-            i for i, text in self._texts.items()
-            if not any(text in marker for marker in marker_strings(tokenizer, calls)))
-            for calls in (True, False)}
+        self._unmarked = {calls: self._not_in(marker_strings(tokenizer, calls))
+                          for calls in (True, False)}
         self._sets: dict[tuple[bool, bool, bool, tuple[str, ...]], frozenset[int]] = {}
         self._strays = _stray_markers(tokenizer, {text: i for i, text in self._texts.items()})
         self._by_state: dict[tuple[bool, bool, bool, tuple[str, ...]],
                              dict[str, frozenset[int]]] = {}
+
+    def _not_in(self, markers: tuple[str, ...]) -> frozenset[int]:
+        return frozenset(i for i, text in self._texts.items()
+                         if not any(text in marker for marker in markers))
 
     def hidden(self, request: GenerationRequest, reads_markers: bool) -> frozenset[int]:
         """The tokens left out of ``request``'s text outside tool calls; ``reads_markers``:

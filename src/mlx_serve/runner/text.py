@@ -27,8 +27,7 @@ class TextPiece(NamedTuple):
 
 
 class TextPipeline:
-    __slots__ = ("_detok", "_stops", "_unchecked", "_hidden", "_hidden_in_call",
-                 "_hidden_by_state", "_machine",
+    __slots__ = ("_detok", "_stops", "_unchecked", "_hidden", "_hidden_by_state", "_machine",
                  "_state", "_prev", "_tool_text", "_one_call")
 
     def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any,
@@ -44,15 +43,18 @@ class TextPipeline:
         # The state machine strips thinking/tool-call markers (mlx-lm's, per tokenizer).
         use_machine = request.output.split_reasoning and machine is not None
         self._machine = machine if use_machine else None
-        self._hidden = self._hidden_in_call = frozenset[int]()
+        self._hidden = frozenset[int]()
+        # The states whose tokens left out differ from ``_hidden``: inside a tool call,
+        # and where a marker moves nothing (one lookup a token, by the current state).
         self._hidden_by_state: dict[str, frozenset[int]] = {}
         if special is not None:
             self._hidden = special.hidden(request, reads_markers=use_machine)
-            self._hidden_in_call = special.hidden_in_call(request)
-            self._hidden_by_state = special.hidden_by_state(request, reads_markers=use_machine)
+            self._hidden_by_state = {
+                **special.hidden_by_state(request, reads_markers=use_machine),
+                "tool": special.hidden_in_call(request)}
         initial = request.output.initial_state
         self._state = machine.make_state(initial) if self._machine is not None else None
-        self._prev: str | None = initial
+        self._prev: str = initial
         self._tool_text = ""
         self._one_call = request.output.one_tool_call
 
@@ -63,9 +65,7 @@ class TextPipeline:
             self._detok.finalize()
             finish = FinishReason.STOP
         else:
-            state = self._prev or "normal"
-            if token not in (self._hidden_in_call if state == "tool"
-                             else self._hidden_by_state.get(state, self._hidden)):
+            if token not in self._hidden_by_state.get(self._prev, self._hidden):
                 self._detok.add_token(token)
             if engine_finish == "length":
                 self._detok.finalize()
