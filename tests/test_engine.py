@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import anyio
 import mlx.core as mx
 import pytest
 
 from mlx_serve.engine import EngineConfig, EngineState
-from mlx_serve.errors import EngineDeadError, OverloadedError
+from mlx_serve.errors import EngineDeadError, OverloadedError, RequestError
+from mlx_serve.generation import Failure, GenerationRequest
 from tests.conftest import running_engine
 from tests.engine_helpers import (
     drain,
@@ -191,6 +194,63 @@ async def test_full_inbox_answers_at_once(tiny_model_dir):
         engine.failpoints.release()
         results = [await drain(h) for h in handles]
         assert [r.tokens for r in results] == [2, 2, 2]
+
+
+async def test_a_queued_client_that_leaves_gives_its_place_back_at_once(tiny_model_dir):
+    config = EngineConfig(max_running=1, max_queue=2)
+    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
+                              config=config, decode_batch_size=1) as engine:
+        p = prompts(engine, 1)[0]
+        first = engine.submit(make_request(p, max_tokens=2))
+        await step_hanging(engine)
+        gone = [engine.submit(make_request(p, max_tokens=2)) for _ in range(2)]
+        assert engine.statistics().waiting == 2
+        for handle in gone:
+            handle.close()
+        # While the step still hangs: the places are free again, and /health says so.
+        assert engine.statistics().waiting == 0
+        later = [engine.submit(make_request(p, max_tokens=2)) for _ in range(2)]
+        with pytest.raises(OverloadedError):
+            engine.submit(make_request(p, max_tokens=2))
+        engine.failpoints.release()
+        assert [(await drain(h)).tokens for h in [first, *later]] == [2, 2, 2]
+        await wait_until(lambda: engine.idle)
+
+
+async def test_requests_that_fit_the_free_batch_slots_are_admitted_during_a_step(
+        tiny_model_dir):
+    config = EngineConfig(max_running=4, max_queue=1)
+    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
+                              config=config) as engine:
+        p = prompts(engine, 1)[0]
+        handles = [engine.submit(make_request(p, max_tokens=2))]
+        await step_hanging(engine)
+        # The actor is inside a step: before, the inbox's bound (max_queue) refused the
+        # third of these although three batch slots were free.
+        handles += [engine.submit(make_request(p, max_tokens=2)) for _ in range(4)]
+        with pytest.raises(OverloadedError):
+            engine.submit(make_request(p, max_tokens=2))
+        engine.failpoints.release()
+        assert [(await drain(h)).tokens for h in handles] == [2] * 5
+
+
+async def test_more_choices_than_the_server_can_ever_hold_is_a_400(tiny_model_dir):
+    config = EngineConfig(max_running=2, max_queue=1)
+    async with running_engine(tiny_model_dir, config=config) as engine:
+        p = prompts(engine, 1)[0]
+        def choices(n: int) -> list[GenerationRequest]:
+            return [replace(make_request(p, max_tokens=2), index=i) for i in range(n)]
+
+        with pytest.raises(RequestError) as info:
+            engine.submit(*choices(4))
+        assert info.value.status_code == 400 and info.value.param == "n"
+        ended = set()
+        async with engine.submit(*choices(3)) as handle:
+            async for event in handle:
+                assert not isinstance(event, Failure)
+                if event.finish_reason is not None:
+                    ended.add(event.index)
+        assert ended == {0, 1, 2}
 
 
 async def test_actor_end_fails_every_open_request_and_refuses_new_ones(tiny_model_dir):

@@ -1,6 +1,6 @@
 """The generation actor: the one task that owns the batch and every request.
 
-    routes ── submit() ──► inbox (bounded memory channel) ──► Engine.run()
+    routes ── submit() ──► inbox (memory channel) ──► Engine.run()
                                                               admit → step → deliver
     reply channel (one per request) ◄── put ──────────────────┘
 
@@ -33,7 +33,6 @@ from mlx_serve.errors import (
     EngineDeadError,
     GenerationError,
     MLXServeError,
-    OverloadedError,
     StepTimeoutError,
     as_request_error,
 )
@@ -42,7 +41,7 @@ from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.open_requests import OpenRequests
 from mlx_serve.recovery import Decision, Isolation
 from mlx_serve.reply_channel import ReplyChannel
-from mlx_serve.request_handle import OpenRequest, RequestHandle
+from mlx_serve.request_handle import RequestHandle
 from mlx_serve.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -62,12 +61,9 @@ class Engine:
         self._load = load
         self._config = config
         self._mlx = mlx
-        self._inbox_send, inbox = anyio.create_memory_object_stream[OpenRequest](
-            config.max_queue
-        )
         self._state = EngineState.LOADING
         self._error: str | None = None
-        self._requests = OpenRequests(inbox)
+        self._requests = OpenRequests(config.max_running + config.max_queue)
         self._batch: frozenset[str] | None = None  # None: every open request is in it
         self._isolation = Isolation(config.max_failed_rebuilds, config.max_request_failures)
         self._step_started: float | None = None
@@ -103,14 +99,13 @@ class Engine:
             reply.close()
             raise self.unavailable_error()
         try:
-            for request in requests:
-                self._inbox_send.send_nowait(OpenRequest(request, reply))
+            self._requests.queue(reply, requests)
             if self._wake_on_arrival:  # the actor may add it to the queued step
                 self._arrived = True
                 self._wake()
-        except anyio.WouldBlock:
-            reply.close()  # any already queued sibling is dropped as "client gone"
-            raise OverloadedError("the server is at capacity; retry shortly") from None
+        except MLXServeError:
+            reply.close()
+            raise
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             reply.close()
             raise EngineDeadError("the generation engine has stopped") from None
@@ -137,7 +132,7 @@ class Engine:
         self._draining = True
         if self._state in (EngineState.READY, EngineState.RECOVERING, EngineState.LOADING):
             self._state = EngineState.DRAINING
-        self._inbox_send.close()
+        self._requests.close_inbox()
 
     @property
     def idle(self) -> bool:
@@ -397,7 +392,7 @@ class Engine:
         for rid in list(self._requests.ids()):
             self._finish(rid, Failure(error))
         if self._state is not EngineState.WEDGED:
-            self._inbox_send.close()
+            self._requests.close_inbox()
         self._requests.answer_queued(Failure(error))
 
     def unavailable_error(self) -> MLXServeError:

@@ -7,7 +7,13 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_serve.errors import EngineDeadError, EngineUnavailableError, MLXServeError
+from mlx_serve.errors import (
+    EngineDeadError,
+    EngineUnavailableError,
+    MLXServeError,
+    OverloadedError,
+    RequestError,
+)
 
 
 class EngineState(enum.StrEnum):
@@ -64,3 +70,14 @@ def unavailable_error(state: EngineState) -> MLXServeError:
     if state in (EngineState.FAILED, EngineState.STOPPED):
         return EngineDeadError(f"the generation engine has {state.value}")
     return EngineUnavailableError(f"the server is {state.value}; retry later")
+
+
+def check_admission(held: int, new: int, capacity: int) -> None:
+    """Refuse ``new`` requests (one HTTP request's choices) when the ``held`` ones still
+    wanted, running or queued, leave no room for them within ``capacity`` (the decode
+    batch plus the queue); a 400 when they could never fit at all."""
+    if new > capacity:
+        raise RequestError(f"this request makes {new} choices (n x prompts); this server "
+                           f"holds at most {capacity} requests at once", param="n")
+    if held + new > capacity:
+        raise OverloadedError("the server is at capacity; retry shortly")

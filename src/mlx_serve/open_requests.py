@@ -1,24 +1,37 @@
-"""The actor's book of open requests: which are open, which the runner has, which left.
+"""The actor's book of requests: which wait, which are open, which the runner has, which left.
 
-Only the actor touches it. A request leaves it with exactly one terminal event on its
-reply stream (``finish``), or silently once its client has gone (``take_departed``).
+Only the actor changes it. A request leaves it with exactly one terminal event on its
+reply stream (``finish``), or silently once its client has gone (``take_departed``, or
+while it waits).
+
+The inbox is only the hand-off from the routes: the actor moves all of it into its own
+waiting line at every step it launches, and a request whose client has gone leaves that
+line there and then, so a client that gives up while queued does not keep its place.
 """
 
 from __future__ import annotations
 
-from collections.abc import KeysView
+import math
+from collections import deque
+from collections.abc import KeysView, Sequence
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream
 
-from mlx_serve.errors import EngineUnavailableError
+from mlx_serve.engine_state import check_admission
+from mlx_serve.errors import EngineUnavailableError, OverloadedError
 from mlx_serve.generation import Failure, GenerationRequest, ReplyEvent
+from mlx_serve.reply_channel import ReplyChannel
 from mlx_serve.request_handle import OpenRequest
 
 
 class OpenRequests:
-    def __init__(self, inbox: MemoryObjectReceiveStream[OpenRequest]) -> None:
-        self._inbox = inbox
+    def __init__(self, capacity: int) -> None:
+        # Unbounded: admission is decided in ``queue`` on the requests still wanted,
+        # which a channel's own bound cannot tell from the ones whose client has gone.
+        self._send, self._inbox = anyio.create_memory_object_stream[OpenRequest](math.inf)
+        self._capacity = capacity  # open and queued requests at most: batch + queue
+        self._waiting: deque[OpenRequest] = deque()  # taken from the inbox, not yet open
+        self._in_inbox: deque[OpenRequest] = deque()  # the inbox's entries, in its order
         self._open: dict[str, OpenRequest] = {}
         self._given: set[str] = set()  # open requests the runner has been given
 
@@ -31,17 +44,63 @@ class OpenRequests:
     def get(self, rid: str) -> OpenRequest | None:
         return self._open.get(rid)
 
+    # -- the routes' side -----------------------------------------------------------
+
+    def queue(self, reply: ReplyChannel[ReplyEvent], requests: Sequence[GenerationRequest]
+              ) -> None:
+        """Put requests into the inbox, or raise: 429 when the ones still wanted leave
+        no room, 400 when they could never fit; anyio's errors once the inbox is closed."""
+        check_admission(len(self._open) + self.waiting, len(requests), self._capacity)
+        if self.queued_entries >= 2 * self._capacity:  # departed ones not yet dropped
+            raise OverloadedError("the server is at capacity; retry shortly")
+        for request in requests:
+            entry = OpenRequest(request, reply)
+            self._send.send_nowait(entry)
+            self._in_inbox.append(entry)
+
+    def close_inbox(self) -> None:
+        self._send.close()
+
+    # -- the actor's side -----------------------------------------------------------
+
+    @property
+    def queued_entries(self) -> int:
+        """Every queued entry, those whose client has gone included (until the next
+        step launched drops them)."""
+        return len(self._in_inbox) + len(self._waiting)
+
     @property
     def waiting(self) -> int:
-        """Requests still in the inbox."""
-        return self._inbox.statistics().current_buffer_used
+        """Requests queued and not yet open whose client is still there."""
+        return sum(1 for queue in (self._in_inbox, self._waiting)
+                   for entry in queue if not entry.client_gone)
 
     async def next_queued(self) -> OpenRequest | None:
-        """Wait for the inbox's next request (to ``open``); None once the inbox has ended."""
+        """The next queued request (to ``open``), waiting for one; None once the inbox
+        has ended."""
+        if self._waiting:
+            return self._waiting.popleft()
         try:
-            return await self._inbox.receive()
+            return self._received(await self._inbox.receive())
         except anyio.EndOfStream:
             return None
+
+    def _received(self, entry: OpenRequest) -> OpenRequest:
+        self._in_inbox.popleft()  # the same entry: the inbox keeps the order it was given
+        return entry
+
+    def _take_inbox(self) -> None:
+        """Move the inbox into the waiting line, dropping whoever has left it."""
+        while True:
+            try:
+                self._waiting.append(self._received(self._inbox.receive_nowait()))
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+        if any(entry.client_gone for entry in self._waiting):
+            for entry in self._waiting:
+                if entry.client_gone:
+                    entry.reply.close_producer()
+            self._waiting = deque(e for e in self._waiting if not e.client_gone)
 
     def open(self, entry: OpenRequest, draining: bool) -> None:
         if entry.client_gone:
@@ -52,14 +111,12 @@ class OpenRequests:
             self._open[entry.request.request_id] = entry
 
     def take_new(self, limit: int | None, draining: bool) -> list[GenerationRequest]:
-        """Open inbox requests while fewer than ``limit`` are open (None: take none;
-        draining: take all, to answer them); return the open ones the runner lacks."""
+        """Open queued requests while fewer than ``limit`` are open (None: open none;
+        draining: all, to answer them); return the open ones the runner lacks."""
+        self._take_inbox()
         if limit is not None:
-            while len(self._open) < limit or draining:
-                try:
-                    self.open(self._inbox.receive_nowait(), draining)
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
+            while self._waiting and (len(self._open) < limit or draining):
+                self.open(self._waiting.popleft(), draining)
         return [o.request for rid, o in self._open.items() if rid not in self._given]
 
     def given(self, requests: list[GenerationRequest]) -> None:
@@ -88,10 +145,12 @@ class OpenRequests:
             answer(entry, event)
 
     def answer_queued(self, event: Failure) -> None:
-        """Answer every request still in the inbox (it must be closed or never refilled)."""
+        """Answer every queued request (the inbox must be closed or never refilled)."""
+        while self._waiting:
+            answer(self._waiting.popleft(), event)
         while True:
             try:
-                entry = self._inbox.receive_nowait()
+                entry = self._received(self._inbox.receive_nowait())
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
             answer(entry, event)

@@ -27,9 +27,14 @@ from typing import Any
 import anyio
 
 from mlx_serve.config import Settings
-from mlx_serve.engine_state import EngineState, EngineStatistics, unavailable_error
+from mlx_serve.engine_state import (
+    EngineState,
+    EngineStatistics,
+    check_admission,
+    unavailable_error,
+)
 from mlx_serve.engine_wire import HEARTBEAT_S, EngineInfo, frame, read_message, unpack_event
-from mlx_serve.errors import EngineDeadError, MLXServeError, OverloadedError, StepTimeoutError
+from mlx_serve.errors import EngineDeadError, MLXServeError, StepTimeoutError
 from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent
 from mlx_serve.reply_channel import ReplyChannel
 from mlx_serve.request_handle import RequestHandle
@@ -81,8 +86,7 @@ class RemoteEngine:
         state = self.state
         if state not in (EngineState.READY, EngineState.RECOVERING):
             raise unavailable_error(state)
-        if self._open_requests + len(requests) > self._capacity:
-            raise OverloadedError("the server is at capacity; retry shortly")
+        check_admission(self._open_requests, len(requests), self._capacity)
         hid, self._next_hid = self._next_hid, self._next_hid + 1
         reply = RemoteReply(hid, self, wake_every, len(requests))
         self._handles[hid] = reply
@@ -243,6 +247,8 @@ class RemoteEngine:
             self._stats = dataclasses.replace(self._stats, error=why)
             log.critical("the engine has failed: %s", why)
         self._fail_open(EngineDeadError(f"the generation engine has {self._ended.value}"))
+        # Every request it had is answered now, and no step of it runs any more.
+        self._stats = dataclasses.replace(self._stats, running=0, waiting=0, step_age=0.0)
         self.ready.set()
         self.finished.set()
 

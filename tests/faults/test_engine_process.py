@@ -53,9 +53,7 @@ from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.anyio
 
-# The module server's --decode-batch-size and --max-queue. A burst larger than max_queue
-# can meet a 429 with batch slots free (in either mode: the engine's inbox holds
-# max_queue until its actor's next turn), so the plain tests send at most 6 at once.
+# The module server's --decode-batch-size and --max-queue.
 DECODE, QUEUE = 4, 8
 
 
@@ -194,6 +192,50 @@ async def test_overload_is_429_at_once_never_a_hang(server):
     assert statuses.count(429) >= count - DECODE - QUEUE, statuses
 
 
+async def test_queued_clients_that_leave_give_their_places_to_new_ones(server):
+    """While every step hangs, fill the batch and the queue, let the queued clients
+    leave, and ask again: the newcomers are admitted, not refused as if the leavers
+    still held their places; once the step goes on, every admitted request finishes."""
+    replies: list[Reply | None] = [None] * (DECODE + 2 * QUEUE)
+    with anyio.fail_after(60):
+        async with http_client(server) as client:
+            async def one(i: int, scope: anyio.CancelScope | None = None) -> None:
+                if scope is None:
+                    replies[i] = await complete_chat(client, chat_body(i, max_tokens=4))
+                    return
+                with scope:
+                    replies[i] = await complete_chat(client, chat_body(i, max_tokens=4))
+
+            await set_failpoint(client, "engine.step", "hang")
+            try:
+                async with anyio.create_task_group() as tg:
+                    leavers = [anyio.CancelScope() for _ in range(QUEUE)]
+                    for i in range(DECODE):
+                        tg.start_soon(one, i)
+                    await wait_for_requests(client, DECODE)
+                    for i, scope in enumerate(leavers):
+                        tg.start_soon(one, DECODE + i, scope)
+                    await wait_for_requests(client, DECODE + QUEUE)
+                    for scope in leavers:
+                        scope.cancel()
+
+                    async def places_free() -> dict[str, Any] | None:
+                        _, body = await health(client)
+                        return body if body["waiting"] == 0 else None
+
+                    await wait_until(places_free, 10, "the leavers' places to be free")
+                    for i in range(DECODE + QUEUE, DECODE + 2 * QUEUE):
+                        tg.start_soon(one, i)
+                    await wait_for_requests(client, DECODE + QUEUE)
+                    await clear_failpoint(client, "engine.step")
+            finally:
+                await clear_failpoint(client, "engine.step")
+    answered = [r for r in replies if r is not None]
+    assert len(answered) == DECODE + QUEUE, "only the leavers are unanswered"
+    assert [r.status for r in answered] == [200] * (DECODE + QUEUE), [
+        r.describe() for r in answered]
+
+
 async def test_choices_logprobs_and_format_errors_match_the_one_process_mode(
         server, reference: Reference):
     """What travels as a full event (log-probabilities, the echoed prompt's own, several
@@ -299,6 +341,8 @@ async def test_a_killed_engine_child_fails_every_request_and_health(spawn):
             assert reply.status is not None and reply.status >= 500, reply.describe()
         assert reply.ended_at - killed < 3.0, f"not at once: {reply.describe()}"
     assert ready_status == 503 and ready["status"] == ready["state"] == "failed", ready
+    # No phantom load: every request is answered and no step runs any more.
+    assert ready["running"] == ready["waiting"] == 0 and ready["step_age_s"] == 0, ready
     assert live_status == 503 and live["status"] == live["state"] == "failed", live
     for reply in refused:
         assert_one_terminal(reply)
