@@ -81,6 +81,33 @@ async def test_every_step_failing_ends_in_failed_with_every_request_answered(tin
         assert engine.statistics().recoveries == 4  # the first failure + 3 failed rebuilds
 
 
+@pytest.mark.parametrize("self_test", ["off", "raise(RuntimeError:device lost)"])
+async def test_failing_requests_sent_one_at_a_time_end_the_engine_only_if_it_is_broken(
+        tiny_model_dir, self_test):
+    """Three requests in a row that each fail alone, with nothing between them: a
+    client resending a bad request, or an engine that fails everything? The self-test
+    tells: it passes, serving goes on; it fails, the engine is failed."""
+    spec = f"engine.step[user=poison]=raise(ValueError:poisoned);engine.self_test={self_test}"
+    config = EngineConfig(max_failed_rebuilds=3)
+    async with running_engine(tiny_model_dir, failpoints=spec, config=config) as engine:
+        p = prompts(engine, 1)[0]
+        for _ in range(3):
+            failed = await generate(engine, p, max_tokens=4, user="poison")
+            assert isinstance(failed.error, GenerationError)
+        # The third failure is answered before the actor settles its state.
+        settled = EngineState.READY if self_test == "off" else EngineState.FAILED
+        with anyio.fail_after(10):
+            while engine.state in (EngineState.READY, EngineState.RECOVERING) and (
+                    engine.state is not settled):
+                await anyio.sleep(0.005)
+        assert engine.state is settled
+        if self_test == "off":
+            assert (await generate(engine, p, max_tokens=4)).tokens == 4
+            assert engine.statistics().isolated == 3
+        else:
+            assert "self-test" in (engine.statistics().error or "")
+
+
 async def test_admission_failure_fails_only_that_request(tiny_model_dir):
     spec = "engine.admit[user=bad]=raise(ValueError:cannot admit)"
     async with running_engine(tiny_model_dir, failpoints=spec) as engine:

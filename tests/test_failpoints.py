@@ -181,6 +181,7 @@ def test_known_sites_and_unknown_site_warning(caplog: pytest.LogCaptureFixture) 
         "engine.admit",
         "engine.step",
         "engine.detokenize",
+        "engine.self_test",
         "sse.send",
     )
     with caplog.at_level(logging.WARNING, logger="mlx_serve.failpoints"):

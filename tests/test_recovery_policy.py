@@ -64,11 +64,29 @@ def test_finished_requests_leave_pending_groups():
 def test_isolating_the_culprit_restarts_the_streak_but_endless_culprits_are_fatal():
     iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2)
     outcomes = []
-    for rid in ("p1", "p2", "p3"):  # one request at a time, every step failing
+    for rid in ("p1", "p2", "p3", "p4", "p5", "p6"):  # one at a time, every step failing
         decisions = [iso.on_failure({rid}) for _ in range(3)]
-        outcomes.append((decisions[-1].isolate, decisions[-1].fatal))
-        assert not any(d.fatal for d in decisions[:-1])
-    assert outcomes == [({"p1"}, False), ({"p2"}, False), ({"p3"}, True)]
+        last = decisions[-1]
+        outcomes.append((set(last.isolate), last.self_test, last.fatal))
+        assert not any(d.fatal or d.self_test for d in decisions[:-1])
+        if last.fatal:
+            break
+    # The third isolation in a row asks for a self-test (which passed: serving went
+    # on); the next three, still with no good step between them, are fatal.
+    assert outcomes == [({"p1"}, False, False), ({"p2"}, False, False),
+                        ({"p3"}, True, False), ({"p4"}, False, False),
+                        ({"p5"}, False, False), ({"p6"}, False, True)]
+
+
+def test_a_good_step_after_a_self_test_allows_the_next_one():
+    iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2)
+    for rid in ("p1", "p2", "p3"):
+        decision = [iso.on_failure({rid}) for _ in range(3)][-1]
+    assert decision.self_test and not decision.fatal
+    assert iso.on_success({"healthy"}) is None
+    for rid in ("p4", "p5", "p6"):
+        decision = [iso.on_failure({rid}) for _ in range(3)][-1]
+    assert decision.self_test and not decision.fatal
 
 
 def test_a_good_step_forgives_earlier_isolations():

@@ -368,6 +368,12 @@ class Engine:
         for rid in decision.isolate:
             self._counts["isolated"] += 1
             self._finish(rid, Failure(GenerationError(f"generation failed: {error}")))
+        if decision.self_test:
+            log.warning("requests keep failing alone; testing the engine outside the batch")
+            try:
+                await self._mlx.call(self.runner.self_test)
+            except Exception as exc:
+                raise _EngineFailed(f"the engine's self-test failed: {exc!r}") from exc
         if decision.isolate:
             await self._mlx.call(self.runner.forget, decision.isolate)
         self._batch = decision.batch

@@ -47,7 +47,8 @@ from itertools import accumulate
 import anyio
 
 ENV_VAR = "MLX_SERVE_FAILPOINTS"
-KNOWN_SITES = ("startup.load", "engine.admit", "engine.step", "engine.detokenize", "sse.send")
+KNOWN_SITES = ("startup.load", "engine.admit", "engine.step", "engine.detokenize",
+               "engine.self_test", "sse.send")
 TASKS = ("off", "raise", "sleep", "hang")
 
 # acheck's hang polls a threading.Event: release/clear may come from any thread, and an

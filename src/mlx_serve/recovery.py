@@ -12,14 +12,16 @@ single poison request always lets a healthy probe through right after a failing 
 failure, the replay, one probe. A longer streak (``1 + max_failed_rebuilds`` with the
 default of 3) says the engine itself is broken — as would, rarely, two poison requests
 whose failures interleave exactly. Isolating the culprit restarts the streak; but
-``max_failed_rebuilds`` isolations in a row with no good step between them also say the
-engine is broken (every request looks guilty).
+``max_failed_rebuilds`` isolations in a row with no good step between them may say the
+engine is broken (every request looks guilty), or only that one client sent failing
+requests one after another. The actor then runs a self-test outside the batch: if it
+passes, serving goes on; the next such run of isolations before any good step is fatal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Decision:
     batch: frozenset[str] | None
     isolate: frozenset[str] = frozenset()
     fatal: bool = False
+    self_test: bool = False  # the actor tests the engine outside the batch; fatal if it fails
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Isolation:
     max_involvement: int = 8
     failure_streak: int = 0
     isolations_in_a_row: int = 0  # isolations with no good step between them
+    self_tested: bool = False  # a self-test has passed since the last good step
     _replayed: bool = False
     _probing: frozenset[str] | None = None
     _pending: list[frozenset[str]] = field(default_factory=list)
@@ -76,7 +80,10 @@ class Isolation:
                 self.failure_streak = 0
                 self.isolations_in_a_row += 1
                 if self.isolations_in_a_row >= self.max_failed_rebuilds:
-                    return Decision(batch=None, isolate=isolate, fatal=True)
+                    if self.self_tested:
+                        return Decision(batch=None, isolate=isolate, fatal=True)
+                    self.self_tested, self.isolations_in_a_row = True, 0
+                    return replace(self._next(isolate), self_test=True)
             else:
                 self._pending.append(group)
         elif group:
@@ -91,6 +98,7 @@ class Isolation:
         """A step succeeded. Returns a new batch decision, or None to keep going as is."""
         self.failure_streak = 0
         self.isolations_in_a_row = 0
+        self.self_tested = False
         if self._probing is None and not self._pending:
             self._replayed = False
             return None

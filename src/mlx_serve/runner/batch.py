@@ -35,6 +35,7 @@ from mlx_serve.runner.memory import MLXMemory
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.prompt_scoring import Scored, score_requests
 from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
+from mlx_serve.runner.self_test import self_test
 from mlx_serve.runner.special_tokens import SpecialTokens, text_machines
 from mlx_serve.runner.text import TextPipeline
 from mlx_serve.runner.tokenizer_side import json_tool_parser
@@ -91,6 +92,11 @@ class Runner:
         self._mlx_memory = MLXMemory()
 
     # -- the actor's calls -------------------------------------------------------------
+
+    def self_test(self) -> None:
+        """A forward pass over a few tokens outside the batch (``runner.self_test``)."""
+        self._failpoints.check("engine.self_test")
+        self_test(self.model, self._eos_ids[:1] * 4)
 
     def step(
         self, admissions: Sequence[GenerationRequest], cancellations: Collection[str]
