@@ -17,13 +17,13 @@ from mlx_serve.config import Settings
 from tests.server_process import free_port
 
 
-def test_settings_come_from_mlx_serve_environment_variables(monkeypatch):
-    monkeypatch.setenv("MLX_SERVE_MODEL", "/models/x")
+def test_settings_come_from_mlx_serve_environment_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_SERVE_MODEL", str(tmp_path))
     monkeypatch.setenv("MLX_SERVE_DECODE_BATCH_SIZE", "7")
     monkeypatch.setenv("MLX_SERVE_EXIT_ON_FATAL", "true")
     settings = Settings()
     assert (settings.model, settings.decode_batch_size, settings.exit_on_fatal) == (
-        "/models/x", 7, True)
+        str(tmp_path), 7, True)
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)
 
 
@@ -46,6 +46,28 @@ def test_debug_endpoints_are_refused_off_loopback(host):
         Settings(host=host, failpoints_http=True)
 
 
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("log_level", "bogus", "must be one of"),
+    ("failpoints", "garbage=foo", "unknown task 'foo'"),
+])
+def test_a_bad_log_level_or_fail_point_spec_is_a_settings_error(field, value, said):
+    with pytest.raises(ValidationError, match=said):
+        Settings(**{field: value})
+
+
+def test_a_model_folder_that_is_not_there_is_a_settings_error(tmp_path):
+    with pytest.raises(ValidationError, match="no such model folder"):
+        Settings(model=str(tmp_path / "missing"))
+    assert Settings(model=str(tmp_path)).model == str(tmp_path)
+    assert Settings(model="org/some-model").model == "org/some-model"  # a hub id
+
+
+def test_an_empty_api_key_is_no_key_as_in_vllm(monkeypatch):
+    monkeypatch.setenv("MLX_SERVE_API_KEY", "")
+    assert Settings().api_key is None
+    assert Settings(log_level="DEBUG").log_level == "debug"
+
+
 def test_the_cli_refuses_bad_settings_with_a_clear_message():
     done = subprocess.run([sys.executable, "-m", "mlx_serve", "--host", "0.0.0.0",
                            "--failpoints-http"], capture_output=True, text=True, timeout=60)
@@ -55,8 +77,8 @@ def test_the_cli_refuses_bad_settings_with_a_clear_message():
 
 @pytest.mark.parametrize("code, status, said", [(3, 3, ""), (None, 0, ""),
                                                 ("cannot serve", 1, "cannot serve\n")])
-def test_uvicorns_own_exit_leaves_without_interpreter_teardown(monkeypatch, capsys, code,
-                                                               status, said):
+def test_uvicorns_own_exit_leaves_without_interpreter_teardown(monkeypatch, capsys, tmp_path,
+                                                               code, status, said):
     """A port in use makes uvicorn shut down and raise SystemExit(3); the CLI then
     leaves through ``_exit_now`` as after any shutdown, never through the interpreter's
     teardown, where MLX's native threads abort the process now and then. The status is
@@ -75,7 +97,7 @@ def test_uvicorns_own_exit_leaves_without_interpreter_teardown(monkeypatch, caps
     monkeypatch.setattr(serving.DrainingServer, "run", run)
     monkeypatch.setattr(cli, "_exit_now", exit_now)
     with pytest.raises(Left) as left:
-        cli.main(["--model", "/nowhere", "--no-openblas", "--no-jemalloc"])
+        cli.main(["--model", str(tmp_path), "--no-openblas", "--no-jemalloc"])
     assert left.value.args == (status,)
     assert capsys.readouterr().err.endswith(said)
 

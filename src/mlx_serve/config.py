@@ -6,10 +6,13 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mlx_serve.failpoints import FailPoints
+
 LOOPBACK_NAMES = {"localhost"}
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def is_loopback(host: str) -> bool:
@@ -146,7 +149,7 @@ class Settings(BaseSettings):
 
     failpoints: str | None = Field(None, description="fault injection sites (see README)")
     failpoints_http: bool = Field(False, description="allow /_debug/failpoints on loopback")
-    log_level: str = Field("info", description="log level")
+    log_level: str = Field("info", description=f"log level: {', '.join(LOG_LEVELS)}")
     access_log: bool = Field(
         True, description="log a line per HTTP request, as uvicorn does (mlx-serve only; "
                           "plain uvicorn has --no-access-log)",
@@ -155,6 +158,34 @@ class Settings(BaseSettings):
     @property
     def origins(self) -> list[str]:
         return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+
+    @field_validator("model")
+    @classmethod
+    def _model_folder_exists(cls, model: str | None) -> str | None:
+        # A Hugging Face repo id never starts so; a folder that is not there is a typo
+        # to report now, not a server that starts only to answer every request with 503.
+        if model and model.startswith(("/", "./", "../", "~")) and not (
+                Path(model).expanduser().exists()):
+            raise ValueError(f"no such model folder: {model}")
+        return model
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_key_is_no_key(cls, key: str | None) -> str | None:
+        return key or None  # as vLLM: MLX_SERVE_API_KEY= turns authentication off
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, level: str) -> str:
+        if level.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+        return level.lower()
+
+    @field_validator("failpoints")
+    @classmethod
+    def _failpoints_parse(cls, spec: str | None) -> str | None:
+        FailPoints.from_spec(spec)  # a FailPointSpecError (a ValueError) names the fault
+        return spec
 
     @model_validator(mode="after")
     def _debug_endpoints_only_on_loopback(self) -> Settings:
