@@ -104,6 +104,13 @@ def test_an_allowed_origin_passes_the_preflight_without_a_key(server):
     assert "POST" in response.headers["access-control-allow-methods"]
 
 
+def test_a_browser_may_delete_a_stored_response(server):
+    response = httpx.options(server.base_url + "/v1/responses/resp_x", timeout=TIMEOUT,
+                             headers={"Origin": ORIGIN, "Access-Control-Request-Method": "DELETE"})
+    assert response.status_code == 200
+    assert "DELETE" in response.headers["access-control-allow-methods"]
+
+
 def test_replies_name_the_allowed_origin_and_no_other(server):
     body = {"messages": HI, "max_tokens": 2, "stream": True}
     auth = {"Authorization": f"Bearer {KEY}"}

@@ -390,6 +390,12 @@ def test_405_names_the_allowed_methods(http):
     assert "POST" in response.headers.get("allow", "")
 
 
+def test_405_on_a_stored_response_names_both_its_methods(http):
+    response = http.put("/v1/responses/resp_none")
+    assert response.status_code == 405
+    assert {"GET", "DELETE"} <= {m.strip() for m in response.headers["allow"].split(",")}
+
+
 # -- overload -----------------------------------------------------------------------------
 
 @pytest.mark.anyio

@@ -124,7 +124,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
     # CORS only when asked for: its middleware sits on every streamed chunk's send, and a
     # server open to every web page's scripts should be a choice (Ollama's default too).
     middleware = [Middleware(CORSMiddleware, allow_origins=settings.origins,
-                             allow_methods=["GET", "POST"], allow_headers=["*"])
+                             allow_methods=["GET", "POST", "DELETE"],
+                             allow_headers=["*"])
                   ] if settings.origins else []
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)

@@ -247,6 +247,14 @@ async def delete_response(request: Request) -> Response:
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
+async def stored_response(request: Request) -> Response:
+    """``/v1/responses/{id}``, one route for both methods: a 405 there names both in
+    its ``Allow`` header (two routes would name only the first one's)."""
+    if request.method == "DELETE":
+        return await delete_response(request)
+    return await retrieve_response(request)
+
+
 async def health(request: Request) -> Response:
     """Readiness: 200 only while the engine can take work. Never waits on the actor."""
     stats = server_state(request).engine.statistics()
@@ -272,8 +280,7 @@ ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
-    Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
-    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
     Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
