@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from tokenizers import Tokenizer
 
@@ -270,6 +271,23 @@ def test_seed_makes_sampling_reproducible(client):
     assert first == again
     others = {sample(s) for s in (1, 2, 3)}
     assert others != {first}, "different seeds should not all give the same text"
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1])
+def test_a_seed_outside_int64_is_a_400(client, seed):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, seed=seed)
+    assert info.value.body["param"] == "seed"
+
+
+def test_the_int64_seeds_at_either_end_sample_apart_from_their_neighbours(client):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt="The weather is", max_tokens=16,
+                                         temperature=1.0, seed=seed).choices[0].text
+
+    # Keys were taken modulo 2**63: -1 and 2**63 - 1 drew the same text, and so did 0.
+    texts = [sample(s) for s in (-1, 2**63 - 1, 0, -(2**63))]
+    assert len(set(texts)) == len(texts), texts
 
 
 def test_logit_bias_forces_a_token(client, tokenizer):

@@ -34,6 +34,7 @@ UNSUPPORTED_FIELDS = frozenset({
 # Fields of a chat message that would change the prompt and are not served: an earlier
 # audio reply by its id, and the function call of OpenAI's deprecated functions API.
 MESSAGE_UNSUPPORTED = frozenset({"audio", "function_call"})
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Template arguments a client may pass through ``chat_template_kwargs``. ``tokenize`` and
 # friends are ours to decide; anything unknown would be silently meaningless.
 CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort",
@@ -73,7 +74,7 @@ class _Request(NullsTakeDefaults):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # vLLM's range
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None

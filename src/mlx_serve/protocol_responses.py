@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from mlx_serve.protocol import (
+    INT64_MAX,
+    INT64_MIN,
     AllowedTools,
     NullsTakeDefaults,
     ReasoningEffort,
@@ -207,7 +209,8 @@ class ResponsesRequest(NullsTakeDefaults):
     store: bool = True  # as at OpenAI: kept for previous_response_id unless told not to
     include: list[str] | None = None  # only "message.output_text.logprobs" is served
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    seed: int | None = None  # not OpenAI's here; chat's (and vLLM's), so honoured alike
+    # Not OpenAI's here; chat's (and vLLM's, with its int64 range), so honoured alike.
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     # As OpenAI's: up to 16 pairs of strings, kept with the response and returned in it.
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
                              Annotated[str, Field(max_length=512)]],

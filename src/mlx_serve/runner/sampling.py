@@ -50,7 +50,9 @@ class SeededSampler:
             logprobs = apply_min_p(logprobs, p.min_p, 1)
         if p.top_k > 0:
             logprobs = apply_top_k(logprobs, p.top_k)
-        key = mx.random.key((self._seed * 1_000_003 + self._position) % (1 << 63))
+        # Modulo 2**64, the key's range: every int64 seed (and seed + i for choice i)
+        # keeps a key of its own.
+        key = mx.random.key((self._seed * 1_000_003 + self._position) % (1 << 64))
         self._position += 1
         return mx.random.categorical(logprobs * (1.0 / p.temperature), key=key)
 
