@@ -18,7 +18,7 @@ def tiny_tokenizer(tiny_model_dir):
 
 
 def run_text(tokenizer, text: str, *, split: bool = False, skip: bool = True,
-             stop: tuple[str, ...] = (), ignore_eos: bool = False):
+             stop: tuple[str, ...] = (), ignore_eos: bool = False, include: bool = False):
     """Feed ``text``'s tokens through a reply's text pipeline, as the runner builds it;
     returns the joined content, reasoning, tool calls and the finish."""
     from mlx_lm.generate import make_text_state_machine
@@ -28,7 +28,8 @@ def run_text(tokenizer, text: str, *, split: bool = False, skip: bool = True,
 
     special = SpecialTokens(tokenizer, frozenset(tokenizer.eos_token_ids))
     request = GenerationRequest("r", (1,), SamplingParams(max_tokens=100, stop=stop,
-                                                          ignore_eos=ignore_eos),
+                                                          ignore_eos=ignore_eos,
+                                                          include_stop_str_in_output=include),
                                 output=OutputOptions(split_reasoning=split,
                                                      skip_special_tokens=skip))
     machine = make_text_state_machine(tokenizer) if split else None
@@ -56,6 +57,21 @@ def test_a_stop_string_made_of_a_special_token_still_matches(tiny_tokenizer):
     content, _, _, finish = run_text(tiny_tokenizer, f"Hello{IM_START} world",
                                      stop=(IM_START,))
     assert (content, finish) == ("Hello", FinishReason.STOP)
+
+
+def test_a_special_token_left_in_for_a_stop_string_leaves_no_text_if_it_does_not_stop(
+        tiny_tokenizer):
+    stop = (f"{IM_START}user",)
+    assert run_text(tiny_tokenizer, f"Hello{IM_START} world{IM_START}", stop=stop) == (
+        "Hello world", "", [], FinishReason.LENGTH)
+    content, _, _, finish = run_text(tiny_tokenizer, f"Hello{IM_START}user world", stop=stop)
+    assert (content, finish) == ("Hello", FinishReason.STOP)
+
+
+def test_a_stop_string_kept_in_the_output_keeps_its_special_token(tiny_tokenizer):
+    content, _, _, finish = run_text(tiny_tokenizer, f"He{IM_START}llo{IM_START}user x",
+                                     stop=(f"{IM_START}user",), include=True)
+    assert (content, finish) == (f"Hello{IM_START}user", FinishReason.STOP)
 
 
 def test_an_ignored_end_of_sequence_token_never_shows(tiny_tokenizer):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 class StopStringMatcher:
-    __slots__ = ("_stops", "_held", "_longest", "_include")
+    __slots__ = ("_stops", "_held", "_longest", "_include", "included_stop")
 
     def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         """``include``: the matched stop string ends the output rather than being left
@@ -18,6 +18,7 @@ class StopStringMatcher:
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
         self._include = include
+        self.included_stop = ""  # the stop string that ended the output, if kept in it
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add decoded text; return (text safe to emit, whether a stop string matched)."""
@@ -28,6 +29,7 @@ class StopStringMatcher:
         if hits:
             first, stop = min(hits, key=lambda hit: hit[0])  # ties: the first listed
             self._held = ""
+            self.included_stop = stop if self._include else ""
             return pending[:first + len(stop) if self._include else first], True
         keep = held_back(pending, self._stops, self._longest)
         self._held = pending[len(pending) - keep :] if keep else ""

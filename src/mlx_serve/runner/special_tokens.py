@@ -6,7 +6,9 @@ the reply but add no text. Some must stay in the text all the same:
 
 - those a thinking or tool-call marker is made of, which mlx-lm's text state machine
   reads to route reasoning and calls apart (and strips);
-- those a request's stop strings are made of, so that such a stop string still matches;
+- those a request's stop strings are made of, so that such a stop string still matches
+  (the text pipeline takes their text out again once the stop matcher has passed it on:
+  a stop string that does not complete leaves no special token in the reply);
 - every one inside a tool call: the call's parser reads them (Kimi-K2's
   ``<|tool_call_begin|>``, Gemma's ``<|"|>``). The text pipeline sees to that one.
 
@@ -75,6 +77,18 @@ class SpecialTokens:
                 state: hidden | {i for i in strays if not any(self._texts[i] in s for s in stop)}
                 for state, strays in self._strays.items()}
         return found
+
+    def kept_for_stops(self, request: GenerationRequest, reads_markers: bool
+                       ) -> tuple[str, ...]:
+        """The texts of the special tokens left in only for ``request``'s stop strings
+        to match, longest first."""
+        if not (request.params.stop and request.output.skip_special_tokens):
+            return ()
+        key = _key(request, reads_markers)
+        unstopped = self._make(*key[:3], ())
+        return tuple(sorted({self._texts[i] for i in unstopped - self.hidden(request,
+                                                                            reads_markers)},
+                            key=len, reverse=True))
 
     def hidden_in_call(self, request: GenerationRequest) -> frozenset[int]:
         """The tokens left out inside a tool call: only an ignored end-of-sequence one."""

@@ -28,7 +28,7 @@ class TextPiece(NamedTuple):
 
 class TextPipeline:
     __slots__ = ("_detok", "_stops", "_unchecked", "_hidden", "_hidden_by_state", "_machine",
-                 "_state", "_prev", "_tool_text", "_one_call")
+                 "_state", "_prev", "_tool_text", "_one_call", "_kept_for_stops")
 
     def __init__(self, detokenizer: Any, request: GenerationRequest, machine: Any,
                  special: SpecialTokens | None = None) -> None:
@@ -47,7 +47,9 @@ class TextPipeline:
         # The states whose tokens left out differ from ``_hidden``: inside a tool call,
         # and where a marker moves nothing (one lookup a token, by the current state).
         self._hidden_by_state: dict[str, frozenset[int]] = {}
+        self._kept_for_stops: tuple[str, ...] = ()
         if special is not None:
+            self._kept_for_stops = special.kept_for_stops(request, reads_markers=use_machine)
             self._hidden = special.hidden(request, reads_markers=use_machine)
             self._hidden_by_state = {
                 **special.hidden_by_state(request, reads_markers=use_machine),
@@ -79,9 +81,20 @@ class TextPipeline:
             finish = FinishReason.STOP
         elif finish is not None:
             text += self._stops.flush()
+        if self._kept_for_stops and text:
+            text = self._without_kept_tokens(text, hit)
         if self._machine is None:
             return TextPiece(text, "", (), finish)
         return self._split(text, finish)
+
+    def _without_kept_tokens(self, text: str, hit: bool) -> str:
+        """Take out the special tokens' text left in for the stop strings to see; a stop
+        string kept at the end (``include_stop_str_in_output``) stays whole."""
+        kept_stop = self._stops.included_stop if hit else ""
+        body = text[:len(text) - len(kept_stop)]
+        for token_text in self._kept_for_stops:
+            body = body.replace(token_text, "")
+        return body + kept_stop
 
     def _split(self, text: str, finish: FinishReason | None) -> TextPiece:
         state, segments = TextStateMachine.split(self._state, text)
