@@ -126,6 +126,20 @@ def test_offsets_index_the_echoed_text(server):
         assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
 
 
+def test_offsets_stay_in_order_where_characters_are_split_across_tokens(server):
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    prompt = "世界 hi"  # each CJK character is several byte tokens of the tiny tokenizer
+    choice = client.completions.create(model="tiny", prompt=prompt, max_tokens=3,
+                                       temperature=0, logprobs=0, echo=True,
+                                       logit_bias={"0": -100, "2": -100}).choices[0]
+    offsets = choice.logprobs.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] <= len(choice.text), offsets
+    # Whole tokens start where their text is: " hi"'s pieces at 2 on.
+    for token, at in zip(choice.logprobs.tokens, offsets, strict=True):
+        if "\ufffd" not in token:
+            assert choice.text[at:at + len(token)] == token, (token, at, choice.text)
+
+
 def test_a_stream_sends_the_scored_echo_first(server, http, prompt_ids):
     client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,

@@ -99,6 +99,7 @@ class PromptLogprobs:
     ids: tuple[int, ...] = ()  # their token ids
     top_ids: tuple[tuple[int, ...], ...] = ()  # the ids of each one's alternatives (its top)
     ranks: tuple[int, ...] = ()  # each one's rank in the vocabulary, 1 the likeliest (if asked)
+    first_bytes: tuple[int, ...] = ()  # the first token's bytes
 
 
 @dataclass(slots=True)

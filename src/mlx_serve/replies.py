@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_serve.generation import Delta, PromptLogprobs, TokenLogprob
+from mlx_serve.text_offsets import TextOffsets, prompt_offsets
 from mlx_serve.tool_calls import CallUpdate, ToolCallStream
 
 
@@ -47,7 +48,7 @@ class Choice:
     tool_calls: list[dict] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
-    text_length: int = 0
+    text_offsets: TextOffsets = field(default_factory=TextOffsets)
     tokens: int = 0
     reasoning_tokens: int = 0  # of ``tokens``, those that wrote only reasoning
     cached_tokens: int = 0
@@ -95,7 +96,7 @@ class ReplyShape:
         if delta.prompt_logprobs is not None:
             choice.prompt_logprobs = delta.prompt_logprobs
             # The generated tokens' offsets index the reply's text, which starts with it.
-            choice.text_length = len(self.echo.get(choice.index, ""))
+            choice.text_offsets = TextOffsets(len(self.echo.get(choice.index, "")))
         choice.content.append(delta.text)
         if delta.reasoning:
             choice.reasoning.append(delta.reasoning)
@@ -108,9 +109,8 @@ class ReplyShape:
                                                     self.one_tool_call)
             calls = choice.call_stream.update(choice.tool_calls, delta.tool_calls,
                                               delta.tool_text)
-        for t in delta.logprobs:
-            choice.offsets.append(choice.text_length)
-            choice.text_length += len(t.token)
+        if delta.logprobs and not self.chat:
+            choice.offsets += choice.text_offsets.add(delta.logprobs, delta.text)
         choice.logprobs += delta.logprobs
         if delta.finish_reason is not None:
             choice.cached_tokens = delta.cached_tokens
@@ -127,7 +127,8 @@ class ReplyShape:
         return {self.reasoning_format: text}
 
     def _logprobs_object(self, items: list[TokenLogprob], offsets: list[int],
-                         prompt: PromptLogprobs | None = None) -> dict | None:
+                         prompt: PromptLogprobs | None = None, echo: str = ""
+                         ) -> dict | None:
         """The ``logprobs`` of a choice's tokens; for a completion with ``prompt``, those
         of the echoed prompt's tokens first (its first token has no log-probability)."""
         if self.logprobs is None:
@@ -142,11 +143,8 @@ class ReplyShape:
             tokens.append(prompt.first_token)
             values.append(None)
             tops.append(None)
-            text_offset.append(0)
-            at = len(prompt.first_token)
-            for t in prompt.scored:
-                text_offset.append(at)
-                at += len(t.token)
+            first = TokenLogprob(prompt.first_token, prompt.first_bytes, 0.0)
+            text_offset = prompt_offsets(first, prompt.scored, echo)
             items = [*prompt.scored, *items]
         tokens += [t.token for t in items]
         values += [t.logprob for t in items]
@@ -194,7 +192,7 @@ class ReplyShape:
     def echo_chunk(self, index: int, prompt: str, scores: PromptLogprobs | None = None
                    ) -> dict:
         """A completion's echoed prompt, its choice's first chunk."""
-        logprobs = None if scores is None else self._logprobs_object([], [], scores)
+        logprobs = None if scores is None else self._logprobs_object([], [], scores, prompt)
         return self._envelope([{"index": index, "text": prompt, "logprobs": logprobs,
                                 "finish_reason": None}])
 
@@ -257,7 +255,8 @@ class ReplyShape:
         items = []
         for c in sorted(choices, key=lambda c: c.index):
             echoed = c.prompt_logprobs if c.index in self.echo else None
-            logprobs = self._logprobs_object(c.logprobs, c.offsets, echoed)
+            logprobs = self._logprobs_object(c.logprobs, c.offsets, echoed,
+                                             self.echo.get(c.index, ""))
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant",
                                            "content": "".join(c.content) or None}

@@ -73,7 +73,7 @@ def score_prompts(model: Any, prompts: Sequence[Sequence[int]], ks: Sequence[int
                                  chunk_tokens, any(ranks[i] for same in group for i in same))
         for same, (row, cache) in zip(group, scored, strict=True):
             for n, i in enumerate(same):  # each its own cache: the batch extends it
-                out[i] = (row.result(texts(prompts[i][0])[0], ks[i], ranks[i]),
+                out[i] = (row.result(texts(prompts[i][0]), ks[i], ranks[i]),
                           cache if n == 0 else _copied(cache))
     return cast(list[Scored], out)
 
@@ -101,15 +101,16 @@ class _Row:
         self.ids += ids
         self.ranks += ranks or []
 
-    def result(self, first_token: str, k: int, ranks: bool) -> PromptLogprobs:
+    def result(self, first_token: tuple[str, tuple[int, ...]], k: int, ranks: bool
+               ) -> PromptLogprobs:
         """The scores one request asked for: its own number of alternatives (sorted best
         first, so the first ``k`` of a larger group's), its ranks if asked."""
         items = self.items
         if items and len(items[0].top) > k:  # the group scored more than this one asked
             items = [TokenLogprob(t.token, t.bytes, t.logprob, t.top[:k]) for t in items]
-        return PromptLogprobs(first_token, tuple(items), tuple(self.ids),
+        return PromptLogprobs(first_token[0], tuple(items), tuple(self.ids),
                               tuple(t[:k] for t in self.top_ids),
-                              tuple(self.ranks) if ranks else ())
+                              tuple(self.ranks) if ranks else (), tuple(first_token[1]))
 
 
 def _score_together(model: Any, prompts: list[Sequence[int]], k: int, texts: TokenTexts,
