@@ -384,6 +384,19 @@ def test_a_function_output_that_is_not_text_is_refused_by_its_type(agentic_serve
     assert "content parts of type 'input_image' are not supported" in error["message"]
 
 
+@pytest.mark.parametrize("earlier", [[], [
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}]])
+def test_a_function_output_that_answers_no_call_is_a_400_as_at_openai(agentic_server, earlier):
+    reply = httpx.post(agentic_server.base_url + "/v1/responses", timeout=30, json={
+        "max_output_tokens": 1, "input": [
+            *earlier, {"type": "function_call_output", "call_id": "call_nope", "output": "x"}]})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "input"
+    assert error["message"] == ("No tool call found for function call output with call_id "
+                                "call_nope.")
+
+
 def test_a_function_call_carries_over_to_the_follow_up_by_id(agentic_server):
     """An agent loop by response id: the model's call is kept with its response, and
     the follow-up sends only the call's output, yet generates what the whole history

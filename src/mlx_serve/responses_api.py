@@ -107,6 +107,14 @@ def as_responses_error(exc: MLXServeError) -> MLXServeError:
     return exc
 
 
+def failed_response_code(error: MLXServeError) -> str:
+    """A failed Response's ``error.code``, one of the values OpenAI's type for it lists
+    (the error's own code, ``engine_dead`` say, stays in its message's words)."""
+    if error.status_code == 429:
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if 400 <= error.status_code < 500 else "server_error"
+
+
 def _messages(body: ResponsesRequest) -> list[ChatMessage]:
     """Instructions and input items as chat messages. Reasoning opens an assistant
     message (its ``reasoning_content``, for the chat template to keep or drop), which the
@@ -114,16 +122,21 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
     (or opens one); a call's output is a tool message."""
     messages = [ChatMessage(role="system", content=body.instructions)] \
         if body.instructions else []
+    calls: set[str] = set()  # the call ids so far: an output answers one of them
     for item in [ChatMessage(role="user", content=body.input)] \
             if isinstance(body.input, str) else body.input:
         last = messages[-1] if messages and messages[-1].role == "assistant" else None
         if isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
                                                                    arguments=item.arguments))
+            calls.add(item.call_id)
             if last is None:
                 messages.append(last := ChatMessage(role="assistant", content=None))
             last.tool_calls = [*(last.tool_calls or []), call]
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls:  # OpenAI's words
+                raise RequestError("No tool call found for function call output with "
+                                   f"call_id {item.call_id}.", param="input")
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
                                         content=item.text()))
         elif isinstance(item, ReasoningItem):
@@ -202,7 +215,7 @@ class ResponseBuilder:
                 incomplete = {"reason": "max_output_tokens"}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "error": {"code": error.code or error.error_type, "message": error.message}
+            "error": {"code": failed_response_code(error), "message": error.message}
             if error is not None else None,
             "incomplete_details": incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "top_logprobs": body.top_logprobs,
