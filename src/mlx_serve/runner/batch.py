@@ -13,10 +13,10 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator
 
 from mlx_serve.failpoints import FailPoints
-from mlx_serve.generation import Delta, FinishReason, GenerationRequest, SamplingParams, StepOutcome
+from mlx_serve.generation import Delta, FinishReason, GenerationRequest, StepOutcome
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
 from mlx_serve.runner.detokenizer import streaming_detokenizers
@@ -27,6 +27,7 @@ from mlx_serve.runner.early_split import (
     take_first_tokens,
     use_early_split,
 )
+from mlx_serve.runner.end_tokens import EndTokens
 from mlx_serve.runner.format_guard import FormatFaults
 from mlx_serve.runner.formats import compile_format
 from mlx_serve.runner.live import BatchLimits, Live
@@ -74,7 +75,7 @@ class Runner:
         self._stream = mx.default_stream(mx.default_device())
         self._eos_ids = tuple(sorted(tokenizer.eos_token_ids))
         self._special = SpecialTokens(tokenizer, frozenset(self._eos_ids))
-        self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
+        self._end_tokens = EndTokens(self._eos_ids)
         self._text_machines = text_machines(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
         self._new_detokenizer = streaming_detokenizers(tokenizer)  # one per request
@@ -326,7 +327,7 @@ class Runner:
         if live.cached_tokens is None:  # the first admission, not a replay
             live.cached_tokens = len(prompt) - len(rest)
         params = live.request.params
-        end_ids = self._end_ids(params)
+        end_ids = self._end_tokens.ids(params)
         processors = make_request_processors(params, len(live.request.prompt_tokens), end_ids)
         fmt = live.request.output.response_format
         if fmt is not None:  # a fresh matcher, fast-forwarded over what was generated
@@ -340,22 +341,10 @@ class Runner:
             all_tokens=[prompt[: len(prompt) - len(rest)]],
             samplers=[make_request_sampler(params, len(live.generated))],
             logits_processors=[processors],
-            stop_sequences=[self._stops_for(end_ids)],
+            stop_sequences=[self._end_tokens.stop_sequences(end_ids)],
         )
         live.uid = uid
         self._by_uid[uid] = live
-
-    def _end_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        """The tokens that end a request: EOS (unless ignored) and its stop token ids."""
-        eos = () if params.ignore_eos else self._eos_ids
-        return tuple(sorted(set(eos) | set(params.stop_token_ids)))
-
-    def _stops_for(self, ids: tuple[int, ...]) -> StopSequences:
-        """Stop sequences of a request's end tokens, shared between requests."""
-        stops = self._stop_sequences.get(ids)
-        if stops is None:
-            stops = self._stop_sequences[ids] = StopSequences([(t,) for t in ids])
-        return stops
 
     def _remove(self, request_ids: Collection[str], keep_cache: bool = False) -> None:
         uids = []
