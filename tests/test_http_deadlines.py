@@ -7,7 +7,10 @@ a sleep."""
 
 from __future__ import annotations
 
+import asyncio
+import select
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,7 +22,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from mlx_serve.http_deadlines import uvicorn_protocol, with_deadlines
+from mlx_serve.http_deadlines import MAX_HEAD_BYTES, uvicorn_protocol, with_deadlines
 
 HEAD_TIMEOUT = 0.5  # seconds
 SEND_TIMEOUT = 0.5
@@ -29,7 +32,8 @@ REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
 class App:
     """Answers ``ok``; a request to ``/held`` waits for ``release`` first; ``/endless``
-    streams until its client is gone, then sets ``gone``."""
+    streams until its client is gone, then sets ``gone``; ``/wait`` sets ``gone`` once its
+    client has gone, writing nothing."""
 
     def __init__(self) -> None:
         self.release = anyio.Event()
@@ -40,6 +44,11 @@ class App:
             return
         if scope["path"] == "/endless":
             await self.endless(receive, send)
+            return
+        if scope["path"] == "/wait":  # for its client to go
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.gone.set()
             return
         if scope["path"] == "/held":
             await self.release.wait()
@@ -197,9 +206,144 @@ async def test_a_client_that_takes_none_of_its_reply_is_cut_off(base):
                 await app.gone.wait()  # the app saw its client leave
 
 
+@pytest.mark.anyio
+async def test_a_request_head_past_the_size_bound_is_refused(base):
+    def client(sock: socket.socket) -> tuple[int, bytes]:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent = 0
+        while sent < 64 * 2**20:  # one header that never ends, till the server answers
+            if select.select([sock], [], [], 0)[0]:
+                break
+            try:
+                sock.sendall(b"a" * 8192)
+            except OSError:  # reset: closed without an answer
+                break
+            sent += 8192
+        try:
+            return sent, read_until_closed(sock)
+        except ConnectionResetError:  # h11 closes at once, its answer maybe overtaken
+            return sent, b""
+
+    sent, reply = await exchange(base, client)
+    assert sent < 64 * 2**20, "the server took 64 MiB of one header"  # (socket buffers
+    # hold a megabyte or two of what the client sent before the answer)
+    if base is HttpToolsProtocol:  # our bound: past 64 KiB, an answer that arrives
+        assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+        assert b"request_header_fields_too_large" in reply
+    else:  # h11's own, at 16 KiB
+        assert reply == b"" or reply.startswith(b"HTTP/1.1 4"), reply[:200]
+
+
+@pytest.mark.anyio
+async def test_a_large_body_after_an_early_answer_is_not_taken_for_a_head(base):
+    def client(sock: socket.socket) -> bytes:
+        size = 4 * MAX_HEAD_BYTES
+        sock.sendall(f"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n"
+                     .encode())
+        first = read_responses(sock)  # answered before its body is read
+        sock.sendall(b"b" * size)
+        sock.sendall(REQUEST)
+        return first + read_responses(sock)
+
+    assert (await exchange(base, client)).count(b"HTTP/1.1 200") == 2
+
+
+@pytest.mark.anyio
+async def test_a_pipelined_request_under_way_sees_its_client_go(base):
+    app = App()
+    async with serving(base, app) as port:
+        def send_then_leave() -> None:
+            with connect(port) as sock:  # two heads in one write, then gone
+                sock.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n" + REQUEST)
+
+        await anyio.to_thread.run_sync(send_then_leave)
+        with anyio.fail_after(WAIT):
+            await app.gone.wait()
+
+
+@pytest.mark.anyio
+async def test_a_client_that_reads_slowly_is_not_cut_off(base):
+    app = App()
+    async with serving(base, app) as port:
+        def read_slowly() -> int:
+            with connect(port) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.sendall(b"GET /endless HTTP/1.1\r\nHost: x\r\n\r\n")
+                taken = 0
+                for _ in range(60):  # 2 KiB every 50 ms for 3 s: 6 deadlines' worth
+                    chunk = sock.recv(2048)
+                    assert chunk, f"cut off after {taken} bytes"
+                    taken += len(chunk)
+                    threading.Event().wait(0.05)
+                return taken
+
+        assert await anyio.to_thread.run_sync(read_slowly) > 0
+        with anyio.fail_after(WAIT):
+            await app.gone.wait()  # and it saw its client leave at the end
+
+
 def test_uvicorn_protocol_is_httptools_when_it_is_installed():
     assert uvicorn_protocol() is HttpToolsProtocol
 
 
 def test_a_protocol_without_the_needed_methods_is_left_as_it_is():
     assert with_deadlines(object, HEAD_TIMEOUT, SEND_TIMEOUT) is None  # type: ignore[arg-type]
+
+
+class _Transport:
+    """What the send deadline reads of a transport: its buffer, its socket, abort."""
+
+    def __init__(self, sock: socket.socket | None) -> None:
+        self.buffered = 100_000
+        self.sock = sock
+        self.aborted = False
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_extra_info(self, name: str) -> object:
+        return self.sock if name == "socket" else ("127.0.0.1", 1)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _Base:
+    def pause_writing(self) -> None:
+        pass
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(sys.platform != "linux", reason="the send queue's size is Linux's")
+async def test_the_send_deadline_is_set_again_while_the_client_takes_any_of_the_reply():
+    """Progress in the socket's send queue counts, not only in the transport's buffer:
+    the socket is reported writable again only once megabytes of it have drained."""
+    from mlx_serve.http_deadlines import DeadlinesMixin
+
+    class Protocol(DeadlinesMixin, _Base):
+        head_deadline, send_deadline = HEAD_TIMEOUT, 3600.0
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        with client, server:
+            server.setblocking(False)
+            try:
+                while True:  # fill the send queue: the client reads nothing yet
+                    server.send(b"x" * 65536)
+            except BlockingIOError:
+                pass
+            protocol = Protocol()
+            protocol.transport = _Transport(server)
+            protocol.loop = asyncio.get_running_loop()
+            protocol._send_timer = None
+            protocol.pause_writing()
+            assert protocol._send_timer is not None
+            client.recv(65536)  # the client takes a little
+            protocol._send_expired()
+            assert not protocol.transport.aborted and protocol._send_timer is not None
+            protocol._send_timer.cancel()
+            protocol._send_expired()  # and nothing more since: cut off
+            assert protocol.transport.aborted

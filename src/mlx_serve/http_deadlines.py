@@ -1,5 +1,6 @@
-"""Deadlines for what uvicorn does not bound: a request's head, and a client that takes
-no more of its reply.
+"""Deadlines and bounds for what uvicorn does not bound: a request's head (its time and
+its size), a client that takes no more of its reply, and the pipelined requests of a
+client that has gone.
 
 uvicorn's keep-alive timeout covers only a connection idle between requests, and any byte
 received cancels it. A connection that sends nothing, or a request head that never ends
@@ -15,9 +16,22 @@ request's place in the batch are held until the client goes.
   closed. A request whose headers have arrived is never cut by it (its body has
   ``--body-timeout``): when the deadline passes during a request, it is left alone.
 - **send**: while the transport holds more unsent reply than its high-water mark (the
-  client's socket buffers are full: it is not reading), writes wait; once they have
-  waited this long the connection is aborted. Its request then sees the client gone, as
-  if it had hung up: a stream's request is cancelled and its sequences leave the batch.
+  client's socket buffers are full: it is not reading), writes wait; once the client has
+  taken nothing of the reply for this long the connection is aborted. Its request then
+  sees the client gone, as if it had hung up: a stream's request is cancelled and its
+  sequences leave the batch. A client that reads, however slowly, is not cut: each
+  deadline that finds the unsent reply smaller than before sets the next one.
+
+And two bounds:
+
+- **head size**: a request head over ``MAX_HEAD_BYTES`` is answered 431 and the
+  connection closed, as h11 does at 16 KiB. httptools has no limit: a head that never
+  ends took hundreds of megabytes within the head deadline, and its parser's growing
+  header value held the event loop for seconds at a time.
+- **pipelined requests**: httptools marks only the newest request of a connection
+  disconnected when it is lost, so a pipelined request under way went on (holding its
+  place in the batch) until it wrote to the closed transport and failed there. Every
+  request of the connection not yet answered is marked gone.
 
 Relies on what uvicorn's HTTP protocols (httptools and h11) both keep: ``cycle`` (the
 current request's cycle, replaced when a request's headers are complete),
@@ -29,13 +43,29 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
+import struct
+import sys
 from typing import Any
 
 log = logging.getLogger("mlx_serve")
 
 _NEEDED = ("connection_made", "data_received", "connection_lost", "pause_writing",
            "resume_writing")
+MAX_HEAD_BYTES = 65536
+_LINGER_S = 1.0  # for a refused head's answer to reach its client
+if sys.platform == "linux":  # the send queue's size in bytes (SIOCOUTQ)
+    import fcntl
+    import termios
+
+    _SEND_QUEUE: int | None = termios.TIOCOUTQ
+else:
+    _SEND_QUEUE = None
+_HEAD_TOO_LARGE = json.dumps({"error": {
+    "message": f"the request head is over {MAX_HEAD_BYTES} bytes",
+    "type": "invalid_request_error", "param": None,
+    "code": "request_header_fields_too_large"}}).encode()
 
 
 def uvicorn_protocol() -> type[asyncio.Protocol]:
@@ -72,36 +102,102 @@ class DeadlinesMixin:
     def connection_made(self, transport: Any) -> None:
         self._head_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # the unsent reply's size when the send deadline was set
+        self._head_bytes = 0  # of the head under way
+        self._refused = False
+        self._unanswered: list[Any] = []  # this connection's request cycles
         super().connection_made(transport)  # type: ignore[misc]
         self._arm_head()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         cycle = self.cycle
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not cycle:  # a request's headers are complete
             self._head_timer = _cancelled(self._head_timer)
-        elif self._head_timer is None and self._between_requests():
-            self._arm_head()  # the first bytes of a next request's head
+            self._head_bytes = 0
+            self._track(self.cycle)
+        elif self._between_requests():
+            if self._head_timer is None:
+                self._arm_head()  # the first bytes of a next request's head
+            if self.cycle is None or not self.cycle.more_body:  # not a body answered early
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse_head()
+
+    def on_headers_complete(self) -> None:
+        """httptools' callback, for each head of a pipelined write (h11 has none: it
+        reads a next request only once the one before is answered)."""
+        super().on_headers_complete()  # type: ignore[misc]
+        self._track(self.cycle)
+
+    def _track(self, cycle: Any) -> None:
+        if cycle is not None and (not self._unanswered or self._unanswered[-1] is not cycle):
+            self._unanswered = [c for c in self._unanswered if not c.response_complete]
+            self._unanswered.append(cycle)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_timer = _cancelled(self._head_timer)
         self._send_timer = _cancelled(self._send_timer)
+        for cycle in self._unanswered:  # the running one and those pipelined behind it
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         super().connection_lost(exc)  # type: ignore[misc]
 
     def pause_writing(self) -> None:
         super().pause_writing()  # type: ignore[misc]
         if self._send_timer is None:
-            self._send_timer = self.loop.call_later(self.send_deadline, self._send_expired)
+            self._arm_send()
 
     def resume_writing(self) -> None:
         super().resume_writing()  # type: ignore[misc]
         self._send_timer = _cancelled(self._send_timer)
 
+    def _arm_send(self) -> None:
+        self._unsent = self._untaken()
+        self._send_timer = self.loop.call_later(self.send_deadline, self._send_expired)
+
+    def _untaken(self) -> int:
+        """Reply bytes the client has not taken: the transport's buffer and, where the
+        system tells (Linux), the socket's send queue. The socket is only reported
+        writable again once a third of its send buffer (megabytes) has drained, so a
+        slow reader shows its progress there first."""
+        size = int(self.transport.get_write_buffer_size())
+        sock = self.transport.get_extra_info("socket")
+        if _SEND_QUEUE is not None and sock is not None:
+            try:
+                size += struct.unpack("i", fcntl.ioctl(sock.fileno(), _SEND_QUEUE, b"\0" * 4))[0]
+            except OSError:
+                pass
+        return size
+
     def _send_expired(self) -> None:
         self._send_timer = None
+        if self._untaken() < self._unsent:
+            self._arm_send()  # the client took some: it reads, if slowly
+            return
         log.warning("aborted a connection from %s: its client took none of the reply "
                     "for %g s", _peer(self.transport), self.send_deadline)
         self.transport.abort()  # close() would wait to flush what the client won't take
+
+    def _refuse_head(self) -> None:
+        self._refused = True
+        self._head_timer = _cancelled(self._head_timer)
+        log.warning("closed a connection from %s: its request head passed %d bytes",
+                    _peer(self.transport), MAX_HEAD_BYTES)
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(_HEAD_TOO_LARGE)).encode() + b"\r\n\r\n"
+            + _HEAD_TOO_LARGE)
+        # Closed with the client's bytes unread, the socket would be reset, and the reset
+        # can overtake the answer: end the writing side, drop what still comes (a second
+        # at most), then close.
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_S, self.transport.close)
 
     def _between_requests(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
