@@ -259,6 +259,7 @@ async def test_actor_end_fails_every_open_request_and_refuses_new_ones(tiny_mode
         handles = [engine.submit(make_request(p, max_tokens=50)) for _ in range(3)]
         await step_hanging(engine)
         engine.failpoints.release()
+        engine.failpoints.set("engine.self_test", "raise(RuntimeError:boom)")  # broken
         engine.failpoints.set("engine.step", "raise(RuntimeError:boom)")
         results = [await drain(h) for h in handles]
         assert all(isinstance(r.error, EngineDeadError) or r.error is not None

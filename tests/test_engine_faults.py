@@ -77,8 +77,37 @@ async def test_every_step_failing_ends_in_failed_with_every_request_answered(tin
         reqs = [make_request(p, max_tokens=8) for p in prompts(engine, 6)]
         results = await generate_all(engine, reqs)
         assert engine.state is EngineState.FAILED
+        # The self-test (a bare forward pass) passes here, so bisection isolates requests
+        # until the isolations, or whole batches failing, say the engine is broken.
+        errors = [type(r.error) for r in results]
+        assert set(errors) <= {GenerationError, EngineDeadError}, errors
+        assert errors.count(GenerationError) == engine.statistics().isolated >= 3, errors
+        assert engine.statistics().recoveries < 40
+
+
+async def test_a_broken_engine_fails_at_the_first_replay_that_fails(tiny_model_dir):
+    spec = "engine.step=raise(OSError:dead);engine.self_test=raise(OSError:dead)"
+    async with running_engine(tiny_model_dir, failpoints=spec) as engine:
+        reqs = [make_request(p, max_tokens=8) for p in prompts(engine, 6)]
+        results = await generate_all(engine, reqs)
+        assert engine.state is EngineState.FAILED
         assert all(isinstance(r.error, EngineDeadError) for r in results)
-        assert engine.statistics().recoveries == 4  # the first failure + 3 failed rebuilds
+        assert engine.statistics().recoveries == 2  # the first failure and its replay
+
+
+async def test_two_failing_requests_in_one_batch_are_isolated_and_the_rest_served(
+        tiny_model_dir):
+    expected = await reference(tiny_model_dir, 8)
+    spec = "engine.step[user=poison]=raise(ValueError:poisoned)"
+    async with running_engine(tiny_model_dir, failpoints=spec) as engine:
+        reqs = [make_request(p, max_tokens=16, user="poison" if i in (1, 6) else None)
+                for i, p in enumerate(prompts(engine, 8))]
+        results = await generate_all(engine, reqs)
+        assert engine.state is EngineState.READY
+    assert [isinstance(r.error, GenerationError) for r in results] == [
+        i in (1, 6) for i in range(8)]
+    assert [r.text for i, r in enumerate(results) if i not in (1, 6)] == [
+        t for i, t in enumerate(expected) if i not in (1, 6)]
 
 
 @pytest.mark.parametrize("self_test", ["off", "raise(RuntimeError:device lost)"])
@@ -91,7 +120,10 @@ async def test_failing_requests_sent_one_at_a_time_end_the_engine_only_if_it_is_
     config = EngineConfig(max_failed_rebuilds=3)
     async with running_engine(tiny_model_dir, failpoints=spec, config=config) as engine:
         p = prompts(engine, 1)[0]
-        for _ in range(3):
+        if self_test != "off":  # the test before bisecting already fails
+            failed = await generate(engine, p, max_tokens=4, user="poison")
+            assert isinstance(failed.error, EngineDeadError)
+        for _ in range(3 if self_test == "off" else 0):
             failed = await generate(engine, p, max_tokens=4, user="poison")
             assert isinstance(failed.error, GenerationError)
         # The third failure is answered before the actor settles its state.

@@ -46,10 +46,55 @@ def test_failure_streak_never_reaches_fatal_for_one_poison_in_a_large_batch():
         assert run_until_settled(iso, set(live), poison=poison) == {poison}
 
 
-def test_every_step_failing_is_fatal_after_the_rebuild_budget():
+def test_whole_batches_failing_are_fatal_after_the_rebuild_budget():
     iso = Isolation(max_failed_rebuilds=3)
-    decisions = [iso.on_failure(ALL) for _ in range(4)]
-    assert [d.fatal for d in decisions] == [False, False, False, True]
+    first, replay = iso.on_failure(ALL), iso.on_failure(ALL)
+    assert first == Decision(batch=None)  # replay everything
+    # The replay failed: test the engine itself, then bisect.
+    assert replay.self_test and replay.batch is not None and not replay.fatal
+    iso.reset()  # (the probes' requests ended)
+    iso.failure_streak = 3
+    assert iso.on_failure(ALL).fatal  # a fourth whole batch failing in a row
+
+
+def test_every_step_failing_ends_in_isolations_then_fatal_within_bounded_steps():
+    live = {f"r{i}" for i in range(8)}
+    iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2)
+    isolated: set[str] = set()
+    batch: frozenset[str] | None = None
+    self_tests = 0
+    steps = 0
+    while steps < 100:
+        steps += 1
+        decision = iso.on_failure(set(batch) if batch is not None else live - isolated)
+        self_tests += decision.self_test
+        isolated |= decision.isolate
+        if decision.fatal:
+            break
+        batch = decision.batch
+    assert decision.fatal and steps < 40, steps
+    assert len(isolated) == 6  # two runs of 3 isolations, a self-test after the first
+    assert self_tests == 2  # before bisecting, and after the first run of isolations
+
+
+def test_two_failing_requests_in_one_batch_are_both_isolated_and_the_rest_served():
+    live = {f"r{i}" for i in range(4)}
+    iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2)
+    isolated: set[str] = set()
+    batch: frozenset[str] | None = None
+    for _ in range(40):
+        members = set(batch) if batch is not None else live - isolated
+        if members & {"r0", "r3"}:  # one in each half of the first split
+            decision = iso.on_failure(members)
+        else:
+            decision = iso.on_success(members)
+            if decision is None and not iso.recovering:
+                break
+        if decision is not None:
+            assert not decision.fatal
+            isolated |= decision.isolate
+            batch = decision.batch
+    assert isolated == {"r0", "r3"}
 
 
 def test_finished_requests_leave_pending_groups():
@@ -65,10 +110,9 @@ def test_isolating_the_culprit_restarts_the_streak_but_endless_culprits_are_fata
     iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2)
     outcomes = []
     for rid in ("p1", "p2", "p3", "p4", "p5", "p6"):  # one at a time, every step failing
-        decisions = [iso.on_failure({rid}) for _ in range(3)]
-        last = decisions[-1]
+        first, replay, last = (iso.on_failure({rid}) for _ in range(3))
+        assert replay.self_test and not (first.self_test or first.fatal or replay.fatal)
         outcomes.append((set(last.isolate), last.self_test, last.fatal))
-        assert not any(d.fatal or d.self_test for d in decisions[:-1])
         if last.fatal:
             break
     # The third isolation in a row asks for a self-test (which passed: serving went

@@ -1,21 +1,23 @@
 """Fault isolation policy: which requests to put into the next batch after a step fails.
 
 Pure bookkeeping, no I/O. After a failed step the whole set is replayed once (most faults
-are transient). If the replay fails too, the failed set is bisected: each half is tested
-in a step of its own, in order, while the other requests wait parked. A group whose step
-succeeds is cleared; a failing group is split again; a request that fails alone
-``max_alone_failures`` times is isolated (the engine fails it and only it).
+are transient). If the replay fails too, the engine is first tested on its own (a
+self-test outside the batch: a broken engine ends here, every request answered 503),
+then the failed set is bisected: each half is tested in a step of its own, in order,
+while the other requests wait parked. A group whose step succeeds is cleared; a failing
+group is split again; a request that fails alone ``max_alone_failures`` times is
+isolated (the engine fails it and only it).
 
-Probes run breadth first (both halves of a split before either is split again), so a
-single poison request always lets a healthy probe through right after a failing one and
-``failure_streak`` (failed steps since the last good one) stays at most 3: the first
-failure, the replay, one probe. A longer streak (``1 + max_failed_rebuilds`` with the
-default of 3) says the engine itself is broken — as would, rarely, two poison requests
-whose failures interleave exactly. Isolating the culprit restarts the streak; but
+Probes run breadth first (both halves of a split before either is split again). A
+failing probe is progress, not a sign of a broken engine: with two failing requests in
+one batch both halves of a split fail, and so on down. So ``failure_streak`` counts only
+failed steps of whole batches since the last good one (the first failure, its replay,
+and any after a bisection); a longer streak than ``max_failed_rebuilds`` says the engine
+itself is broken. Isolating the culprit restarts the streak; but
 ``max_failed_rebuilds`` isolations in a row with no good step between them may say the
 engine is broken (every request looks guilty), or only that one client sent failing
-requests one after another. The actor then runs a self-test outside the batch: if it
-passes, serving goes on; the next such run of isolations before any good step is fatal.
+requests one after another. The actor then runs the self-test again: if it passes,
+serving goes on; the next such run of isolations before any good step is fatal.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Decision:
     batch: frozenset[str] | None
     isolate: frozenset[str] = frozenset()
     fatal: bool = False
-    self_test: bool = False  # the actor tests the engine outside the batch; fatal if it fails
+    self_test: bool = False  # the actor tests the engine outside the batch: fatal if it fails
 
 
 @dataclass
@@ -56,9 +58,11 @@ class Isolation:
 
     def on_failure(self, in_step: Collection[str]) -> Decision:
         """The step over ``in_step`` raised. Decide the next batch."""
-        self.failure_streak += 1
-        if self.failure_streak > self.max_failed_rebuilds:
-            return Decision(batch=None, fatal=True)
+        probing = self._probing is not None
+        if not probing:  # a whole batch failed
+            self.failure_streak += 1
+            if self.failure_streak > self.max_failed_rebuilds:
+                return Decision(batch=None, fatal=True)
         group = frozenset(in_step)
         for rid in group:
             self._involvement[rid] = self._involvement.get(rid, 0) + 1
@@ -66,7 +70,7 @@ class Isolation:
         if worn_out:
             self.failure_streak = 0
             return self._next(worn_out)
-        if self._probing is None and not self._replayed:
+        if not probing and not self._replayed:
             self._replayed = True  # first, assume a transient fault: replay everything
             return Decision(batch=None)
         isolate: frozenset[str] = frozenset()
@@ -92,7 +96,10 @@ class Isolation:
             # Breadth first: a failing group's halves go to the back of the queue, so
             # the groups already waiting (often healthy) get their probe step first.
             self._pending += [frozenset(ordered[:half]), frozenset(ordered[half:])]
-        return self._next(isolate)
+        decision = self._next(isolate)
+        if not probing:  # the replay failed: the engine's own test before bisecting
+            decision = replace(decision, self_test=True)
+        return decision
 
     def on_success(self, in_step: Collection[str]) -> Decision | None:
         """A step succeeded. Returns a new batch decision, or None to keep going as is."""

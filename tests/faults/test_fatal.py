@@ -1,8 +1,8 @@
 """Faults the server cannot absorb: it must say so, answer everyone, and never go zombie.
 
-Scenario 4: every step fails -> ``failed`` within K rebuilds (and, with
-``--exit-on-fatal``, the process exits non-zero). Scenario 5: a step outlives the step
-deadline -> ``wedged``, then ready again once the step returns.
+Scenario 4: every step fails, and the engine's self-test too -> ``failed`` within K
+rebuilds (and, with ``--exit-on-fatal``, the process exits non-zero). Scenario 5: a step
+outlives the step deadline -> ``wedged``, then ready again once the step returns.
 """
 
 from __future__ import annotations
@@ -49,9 +49,11 @@ def in_flight(client, count: int = 8, max_tokens: int = 48):
 
 
 async def every_step_failing_midflight(client) -> list[Reply]:
-    """Eight requests in flight, then every step fails; their replies."""
+    """Eight requests in flight, then every step fails, and so does the engine's
+    self-test (a broken engine: a device lost, say); their replies."""
     async def arm() -> None:
         await wait_for_requests(client, 8)
+        await set_failpoint(client, "engine.self_test", DEAD)
         await set_failpoint(client, "engine.step", DEAD)
 
     return await gather(*in_flight(client), alongside=[arm])
