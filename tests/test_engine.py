@@ -217,6 +217,23 @@ async def test_a_queued_client_that_leaves_gives_its_place_back_at_once(tiny_mod
         await wait_until(lambda: engine.idle)
 
 
+async def test_a_running_client_that_leaves_gives_its_place_back_before_the_next_step(
+        tiny_model_dir):
+    config = EngineConfig(max_running=1, max_queue=1)
+    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
+                              config=config, decode_batch_size=1) as engine:
+        p = prompts(engine, 1)[0]
+        running = engine.submit(make_request(p, max_tokens=2))
+        await step_hanging(engine)
+        queued = engine.submit(make_request(p, max_tokens=2))
+        with pytest.raises(OverloadedError):
+            engine.submit(make_request(p, max_tokens=2))
+        running.close()  # while its step still hangs
+        later = engine.submit(make_request(p, max_tokens=2))
+        engine.failpoints.release()
+        assert [(await drain(h)).tokens for h in (queued, later)] == [2, 2]
+
+
 async def test_requests_that_fit_the_free_batch_slots_are_admitted_during_a_step(
         tiny_model_dir):
     config = EngineConfig(max_running=4, max_queue=1)

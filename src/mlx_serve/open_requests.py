@@ -50,7 +50,7 @@ class OpenRequests:
               ) -> None:
         """Put requests into the inbox, or raise: 429 when the ones still wanted leave
         no room, 400 when they could never fit; anyio's errors once the inbox is closed."""
-        check_admission(len(self._open) + self.waiting, len(requests), self._capacity)
+        check_admission(self.held, len(requests), self._capacity)
         if self.queued_entries >= 2 * self._capacity:  # departed ones not yet dropped
             raise OverloadedError("the server is at capacity; retry shortly")
         for request in requests:
@@ -62,6 +62,12 @@ class OpenRequests:
         self._send.close()
 
     # -- the actor's side -----------------------------------------------------------
+
+    @property
+    def held(self) -> int:
+        """Open and queued requests whose client is still there: a request whose client
+        has gone gives its place back at once, not at the next step launched."""
+        return sum(not entry.client_gone for entry in self._open.values()) + self.waiting
 
     @property
     def queued_entries(self) -> int:
