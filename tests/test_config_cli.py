@@ -49,6 +49,8 @@ def test_debug_endpoints_are_refused_off_loopback(host):
 @pytest.mark.parametrize(("field", "value", "said"), [
     ("log_level", "bogus", "must be one of"),
     ("failpoints", "garbage=foo", "unknown task 'foo'"),
+    ("failpoints", "engine.stpe=off", "unknown fail-point sites"),  # a typo injects nothing
+    ("api_key", "   ", "is blank"),  # a key no client could send
 ])
 def test_a_bad_log_level_or_fail_point_spec_is_a_settings_error(field, value, said):
     with pytest.raises(ValidationError, match=said):

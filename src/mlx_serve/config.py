@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from mlx_serve.failpoints import FailPoints
+from mlx_serve.failpoints import KNOWN_SITES, FailPoints
 
 LOOPBACK_NAMES = {"localhost"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -172,6 +172,8 @@ class Settings(BaseSettings):
     @field_validator("api_key")
     @classmethod
     def _empty_key_is_no_key(cls, key: str | None) -> str | None:
+        if key and not key.strip():  # a key no client could send
+            raise ValueError("is blank: give a key, or none")
         return key or None  # as vLLM: MLX_SERVE_API_KEY= turns authentication off
 
     @field_validator("log_level")
@@ -184,7 +186,10 @@ class Settings(BaseSettings):
     @field_validator("failpoints")
     @classmethod
     def _failpoints_parse(cls, spec: str | None) -> str | None:
-        FailPoints.from_spec(spec)  # a FailPointSpecError (a ValueError) names the fault
+        points = FailPoints.from_spec(spec)  # a FailPointSpecError (a ValueError) says why
+        unknown = sorted(set(points.sites) - set(KNOWN_SITES))
+        if unknown:  # a typo would inject nothing
+            raise ValueError(f"unknown fail-point sites {unknown}; known: {KNOWN_SITES}")
         return spec
 
     @model_validator(mode="after")

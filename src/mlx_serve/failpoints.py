@@ -258,6 +258,11 @@ class FailPoints:
         self._sites: dict[str, tuple[_Rule, ...]] = {}
         self._hanging: dict[str, int] = {}
 
+    @property
+    def sites(self) -> list[str]:
+        """The sites configured."""
+        return list(self._sites)
+
     @classmethod
     def from_spec(cls, spec: str | None, *, rng: random.Random | None = None) -> FailPoints:
         points = cls(rng=rng)
