@@ -45,3 +45,24 @@ def test_an_echoed_prompt_s_offsets_index_its_text_and_never_go_back():
     # A BOS token is not in the echoed text: it takes no room there.
     assert prompt_offsets(tokens(b"<s>")[0], tokens(b"ab", b"c"), "abc") == [0, 0, 2]
     assert prompt_offsets(tokens(b"a")[0], tokens(b"b", b"c"), "abc") == [0, 1, 2]
+
+
+def test_a_broken_byte_written_a_token_later_by_the_reply_still_counts_where_it_is():
+    # The detokenizer holds a lone continuation byte back and writes its replacement
+    # character with the next token's text; the decoding here counts it at once.
+    offsets = TextOffsets()
+    assert offsets.add(tokens(b"ay"), "ay") == [0]
+    assert offsets.add(tokens(b"\xa1"), "") == [2]
+    assert offsets.add(tokens(b"oes"), "\ufffdoes") == [3]
+    # And the other way: a lead byte's replacement written at once, decoded a token later.
+    offsets = TextOffsets()
+    assert offsets.add(tokens(b"\xcd"), "\ufffd") == [0]
+    assert offsets.add(tokens(b"oes"), "oes") == [1]
+
+
+def test_two_broken_bytes_held_back_together_count_one_after_the_other():
+    offsets = TextOffsets()
+    assert offsets.add(tokens(b"b"), "b") == [0]
+    assert offsets.add(tokens(b"\xa1"), "") == [1]
+    assert offsets.add(tokens(b"\xa4"), "") == [2]
+    assert offsets.add(tokens(b" c"), "\ufffd\ufffd c") == [3]
