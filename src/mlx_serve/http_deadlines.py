@@ -34,9 +34,11 @@ And two bounds:
   request of the connection not yet answered is marked gone.
 
 Relies on what uvicorn's HTTP protocols (httptools and h11) both keep: ``cycle`` (the
-current request's cycle, replaced when a request's headers are complete),
-``cycle.response_complete``, ``transport`` and ``loop``, and the transport's
-``pause_writing``/``resume_writing`` calls; the methods are checked when the class is made.
+current request's cycle, replaced when a request's headers are complete), the cycle's
+``response_complete``, ``more_body``, ``disconnected`` and ``message_event``,
+``transport`` and ``loop``, and the transport's ``pause_writing``/``resume_writing``
+calls; httptools' ``on_headers_complete`` callback; the methods are checked when the
+class is made.
 """
 
 from __future__ import annotations
