@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import anyio
@@ -180,14 +181,22 @@ def test_a_late_arrival_joins_the_first_queued_step_not_begun():
     assert given == [] and last.admissions == []
 
 
-async def test_full_inbox_answers_at_once(tiny_model_dir):
-    config = EngineConfig(max_running=1, max_queue=2)
-    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
-                              config=config, decode_batch_size=1) as engine:
+@asynccontextmanager
+async def first_step_hung(model_dir, running: int, queue: int):
+    """An engine whose first step hangs with one request in it, until released:
+    ``(engine, a prompt, that request's handle)``."""
+    config = EngineConfig(max_running=running, max_queue=queue)
+    async with running_engine(model_dir, failpoints="engine.step=1*hang", config=config,
+                              decode_batch_size=running) as engine:
         p = prompts(engine, 1)[0]
-        handles = [engine.submit(make_request(p, max_tokens=2))]
+        first = engine.submit(make_request(p, max_tokens=2))
         await step_hanging(engine)
-        handles += [engine.submit(make_request(p, max_tokens=2)) for _ in range(2)]
+        yield engine, p, first
+
+
+async def test_full_inbox_answers_at_once(tiny_model_dir):
+    async with first_step_hung(tiny_model_dir, running=1, queue=2) as (engine, p, first):
+        handles = [first] + [engine.submit(make_request(p, max_tokens=2)) for _ in range(2)]
         with pytest.raises(OverloadedError) as info:
             engine.submit(make_request(p, max_tokens=2))
         assert info.value.status_code == 429 and info.value.retry_after
@@ -197,12 +206,7 @@ async def test_full_inbox_answers_at_once(tiny_model_dir):
 
 
 async def test_a_queued_client_that_leaves_gives_its_place_back_at_once(tiny_model_dir):
-    config = EngineConfig(max_running=1, max_queue=2)
-    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
-                              config=config, decode_batch_size=1) as engine:
-        p = prompts(engine, 1)[0]
-        first = engine.submit(make_request(p, max_tokens=2))
-        await step_hanging(engine)
+    async with first_step_hung(tiny_model_dir, running=1, queue=2) as (engine, p, first):
         gone = [engine.submit(make_request(p, max_tokens=2)) for _ in range(2)]
         assert engine.statistics().waiting == 2
         for handle in gone:
@@ -219,12 +223,7 @@ async def test_a_queued_client_that_leaves_gives_its_place_back_at_once(tiny_mod
 
 async def test_a_running_client_that_leaves_gives_its_place_back_before_the_next_step(
         tiny_model_dir):
-    config = EngineConfig(max_running=1, max_queue=1)
-    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
-                              config=config, decode_batch_size=1) as engine:
-        p = prompts(engine, 1)[0]
-        running = engine.submit(make_request(p, max_tokens=2))
-        await step_hanging(engine)
+    async with first_step_hung(tiny_model_dir, running=1, queue=1) as (engine, p, running):
         queued = engine.submit(make_request(p, max_tokens=2))
         with pytest.raises(OverloadedError):
             engine.submit(make_request(p, max_tokens=2))
@@ -236,12 +235,8 @@ async def test_a_running_client_that_leaves_gives_its_place_back_before_the_next
 
 async def test_requests_that_fit_the_free_batch_slots_are_admitted_during_a_step(
         tiny_model_dir):
-    config = EngineConfig(max_running=4, max_queue=1)
-    async with running_engine(tiny_model_dir, failpoints="engine.step=1*hang",
-                              config=config) as engine:
-        p = prompts(engine, 1)[0]
-        handles = [engine.submit(make_request(p, max_tokens=2))]
-        await step_hanging(engine)
+    async with first_step_hung(tiny_model_dir, running=4, queue=1) as (engine, p, first):
+        handles = [first]
         # The actor is inside a step: before, the inbox's bound (max_queue) refused the
         # third of these although three batch slots were free.
         handles += [engine.submit(make_request(p, max_tokens=2)) for _ in range(4)]
