@@ -97,7 +97,7 @@ class Runner:
     def self_test(self) -> None:
         """A forward pass over a few tokens outside the batch (``runner.self_test``)."""
         self._failpoints.check("engine.self_test")
-        self_test(self.model, self._eos_ids[:1] * 4)
+        self_test(self.model, (self._eos_ids or (0,))[:1] * 4)  # any id the model has
 
     def step(
         self, admissions: Sequence[GenerationRequest], cancellations: Collection[str]
