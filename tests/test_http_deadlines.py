@@ -45,6 +45,17 @@ class App:
         if scope["path"] == "/endless":
             await self.endless(receive, send)
             return
+        if scope["path"] == "/length":  # of the body it read
+            body = b""
+            while (message := await receive())["type"] == "http.request":
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+            answer = str(len(body)).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(answer)).encode())]})
+            await send({"type": "http.response.body", "body": answer})
+            return
         if scope["path"] == "/wait":  # for its client to go
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -280,6 +291,27 @@ async def test_a_client_that_reads_slowly_is_not_cut_off(base):
         assert await anyio.to_thread.run_sync(read_slowly) > 0
         with anyio.fail_after(WAIT):
             await app.gone.wait()  # and it saw its client leave at the end
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("split", [False, True], ids=["one-write", "head-then-body"])
+async def test_an_offer_to_upgrade_to_h2c_is_declined_and_the_body_kept(base, split):
+    head = (b"POST /length HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+            b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nContent-Length: 12\r\n\r\n")
+
+    def client(sock: socket.socket) -> bytes:
+        sock.sendall(head if split else head + b"upgrade: h2c")
+        if split:
+            sock.sendall(b"upgrade: h2c")  # the body: a line like the header, left alone
+        data = b""
+        while not data.endswith(b"\r\n\r\n12"):
+            chunk = sock.recv(65536)
+            assert chunk, f"closed: {data!r}"
+            data += chunk
+        return data
+
+    reply = await exchange(base, client)
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"\r\n\r\n12"), reply
 
 
 def test_uvicorn_protocol_is_httptools_when_it_is_installed():

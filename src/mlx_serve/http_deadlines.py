@@ -22,7 +22,7 @@ request's place in the batch are held until the client goes.
   sequences leave the batch. A client that reads, however slowly, is not cut: each
   deadline that finds the unsent reply smaller than before sets the next one.
 
-And two bounds:
+And two bounds, and one repair:
 
 - **head size**: a request head over ``MAX_HEAD_BYTES`` is answered 431 and the
   connection closed, as h11 does at 16 KiB. httptools has no limit: a head that never
@@ -32,6 +32,9 @@ And two bounds:
   disconnected when it is lost, so a pipelined request under way went on (holding its
   place in the batch) until it wrote to the closed transport and failed there. Every
   request of the connection not yet answered is marked gone.
+- **h2c**: a head that offers an upgrade to HTTP/2 over cleartext has its ``Upgrade``
+  header renamed before uvicorn's parser sees it, which declines the offer; httptools
+  otherwise lost the request's body.
 
 Relies on what uvicorn's HTTP protocols (httptools and h11) both keep: ``cycle`` (the
 current request's cycle, replaced when a request's headers are complete), the cycle's
@@ -47,6 +50,7 @@ import asyncio
 import importlib.util
 import json
 import logging
+import re
 import struct
 import sys
 from typing import Any
@@ -57,6 +61,10 @@ _NEEDED = ("connection_made", "data_received", "connection_lost", "pause_writing
            "resume_writing")
 MAX_HEAD_BYTES = 65536
 _LINGER_S = 1.0  # for a refused head's answer to reach its client
+# An offer to upgrade to HTTP/2 over cleartext (``curl --http2`` on http://): httptools
+# stops parsing at such a head and uvicorn drops what follows it, the body, so the
+# request read as empty. Renamed, the offer is declined, as RFC 9110 lets a server do.
+_H2C_UPGRADE = re.compile(rb"(?im)^upgrade(\s*:\s*h2c\s*\r?$)")
 if sys.platform == "linux":  # the send queue's size in bytes (SIOCOUTQ)
     import fcntl
     import termios
@@ -114,6 +122,9 @@ class DeadlinesMixin:
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if b"h2c" in data and self._between_requests():
+            head, end, rest = data.partition(b"\r\n\r\n")  # the body is left alone
+            data = _H2C_UPGRADE.sub(rb"x-declined-upgrade\1", head) + end + rest
         cycle = self.cycle
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not cycle:  # a request's headers are complete
