@@ -55,6 +55,8 @@ import struct
 import sys
 from typing import Any
 
+from mlx_serve.errors import RequestError
+
 log = logging.getLogger("mlx_serve")
 
 _NEEDED = ("connection_made", "data_received", "connection_lost", "pause_writing",
@@ -72,10 +74,9 @@ if sys.platform == "linux":  # the send queue's size in bytes (SIOCOUTQ)
     _SEND_QUEUE: int | None = termios.TIOCOUTQ
 else:
     _SEND_QUEUE = None
-_HEAD_TOO_LARGE = json.dumps({"error": {
-    "message": f"the request head is over {MAX_HEAD_BYTES} bytes",
-    "type": "invalid_request_error", "param": None,
-    "code": "request_header_fields_too_large"}}).encode()
+_HEAD_TOO_LARGE = json.dumps(RequestError(
+    f"the request head is over {MAX_HEAD_BYTES} bytes",
+    code="request_header_fields_too_large").to_dict()).encode()
 
 
 def uvicorn_protocol() -> type[asyncio.Protocol]:
@@ -122,7 +123,7 @@ class DeadlinesMixin:
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if b"h2c" in data and self._between_requests():
+        if self._between_requests() and b"h2c" in data:  # not scanning bodies
             head, end, rest = data.partition(b"\r\n\r\n")  # the body is left alone
             data = _H2C_UPGRADE.sub(rb"x-declined-upgrade\1", head) + end + rest
         cycle = self.cycle

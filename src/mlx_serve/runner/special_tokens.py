@@ -84,11 +84,11 @@ class SpecialTokens:
         to match, longest first."""
         if not (request.params.stop and request.output.skip_special_tokens):
             return ()
-        key = _key(request, reads_markers)
-        unstopped = self._make(*key[:3], ())
-        return tuple(sorted({self._texts[i] for i in unstopped - self.hidden(request,
-                                                                            reads_markers)},
-                            key=len, reverse=True))
+        # Those of the set left out without stop strings (``_make``'s first line) that
+        # the request's set keeps: the set itself is cached, so nothing is rebuilt here.
+        unstopped = self._unmarked[request.output.tool_calls] if reads_markers else self._all
+        kept = unstopped - self.hidden(request, reads_markers)
+        return tuple(sorted({self._texts[i] for i in kept}, key=len, reverse=True))
 
     def hidden_in_call(self, request: GenerationRequest) -> frozenset[int]:
         """The tokens left out inside a tool call: only an ignored end-of-sequence one."""
