@@ -30,6 +30,7 @@ from benchmarks import environment
 from benchmarks.ab_config import ABConfig, build_parser, config_from_args
 from benchmarks.contenders import resolve_model_path, resolve_native, rotated, warm_run_line
 from benchmarks.engine_worker import EngineWorker, harness_command, run_fresh
+from benchmarks.host import describe_quiet, quiet
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.memory import rss_run
 from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
@@ -70,11 +71,23 @@ class ABRunner:
                 workload = cfg.workload(conc, cfg.seed + 1000 * rnd + conc)
                 prompts, warmup = self.prompts(workload)
                 for name in rotated(cfg.targets, rnd):
-                    time.sleep(cfg.settle)
+                    settled = self.settle()
                     result = self.run_one(name, workload, prompts, warmup)
                     self.runs.append({"round": rnd, "concurrency": conc, "target": name,
-                                      "result": result})
+                                      "result": result, "quiet_before": settled})
                     print(format_runs(self.runs[-1:]), flush=True)
+
+    def settle(self) -> dict[str, Any] | None:
+        """``--settle`` seconds of quiet, and what every loaded contender's process and
+        the machine still did meanwhile (printed, and kept with the next run)."""
+        if not self.config.settle:
+            return None
+        pids = {name: server.pid for name, server in self.servers.items()}
+        if self.engine is not None:
+            pids[ENGINE] = self.engine.pid
+        record = quiet(self.config.settle, pids)
+        print(describe_quiet(record), flush=True)
+        return record
 
     def warm_runs(self) -> None:
         """One unmeasured run per contender, the measured shape at the top concurrency."""

@@ -17,6 +17,7 @@ a server can approach.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from benchmarks.beside_thread import BesideThread
 from benchmarks.host import HostWatch
 from benchmarks.metrics import (
     RequestRecord,
@@ -235,8 +237,10 @@ def load_harness(model_path: str, batch: BatchSettings, detokenize: bool = True,
 
 
 def measure(harness: EngineHarness, model_path: str, workload: Workload, prompts: list[str],
-            warmup_prompts: list[str]) -> dict[str, Any]:
-    """Warm up, run the workload; return the loadgen-shaped result."""
+            warmup_prompts: list[str], beside: dict[str, float] | None = None
+            ) -> dict[str, Any]:
+    """Warm up, run the workload; return the loadgen-shaped result. ``beside``
+    (``{"work_us": W, "period_ms": P}``) runs a ``BesideThread`` through the run."""
     tokenizer = harness.tokenizer
     encode = [list(tokenizer.encode(p)) for p in prompts]
     if warmup_prompts:
@@ -245,8 +249,11 @@ def measure(harness: EngineHarness, model_path: str, workload: Workload, prompts
     stepping = threading.get_native_id()  # the harness steps in this thread
     cpu_start, threads_start = time.process_time(), thread_times()
     detail_start = read_thread(stepping)
-    with HostWatch() as host:
+    with HostWatch() as host, contextlib.ExitStack() as stack:
+        thread = stack.enter_context(BesideThread(**beside)) if beside else None
         summary = harness.run(encode, workload)
+    if thread is not None:
+        summary["beside_thread"] = thread.record()
     summary["stepping_detail"] = per_step(detail_start, read_thread(stepping),
                                           summary.get("steps"))
     cpu_per_token(summary, time.process_time() - cpu_start)
@@ -283,7 +290,7 @@ def serve_jobs(harness: EngineHarness, model_path: str, jobs: TextIO, replies: T
                 data = json.load(fh)
             workload = Workload(**job["workload"])
             result = measure(harness, model_path, workload, data["prompts"],
-                             data.get("warmup", []))
+                             data.get("warmup", []), job.get("beside_thread"))
             report_run(result, f"engine {model_path} {workload.as_dict()}", job["json"])
             reply: dict[str, Any] = {"failed": result["summary"]["failed"]}
         except Exception as exc:  # the runner decides; this process stays ready

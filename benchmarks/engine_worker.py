@@ -79,11 +79,13 @@ class EngineWorker:
             self.stop()
             raise
 
-    def run(self, workload: Workload, prompts_file: Path, out: Path) -> None:
-        """One run; its result is written to ``out``. Raises if the worker fails."""
+    def run(self, workload: Workload, prompts_file: Path, out: Path,
+            **extra: Any) -> None:
+        """One run; its result is written to ``out``. Raises if the worker fails.
+        ``extra`` goes into the job (``beside_thread``: see ``engine_limit.measure``)."""
         assert self.proc.stdin is not None
         job = {"workload": workload.as_dict(), "prompts_file": str(prompts_file),
-               "json": str(out)}
+               "json": str(out), **extra}
         try:
             self.proc.stdin.write(json.dumps(job).encode() + b"\n")
         except BrokenPipeError:

@@ -68,6 +68,56 @@ def steal_share(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -
     return round(delta[_STEAL] / total, 4) if total > 0 else None
 
 
+def busy_vcpus(before: tuple[int, ...] | None, after: tuple[int, ...] | None,
+               seconds: float) -> float | None:
+    """vCPUs the whole machine kept busy between two ``cpu_times`` readings (every
+    counter but idle and iowait) over ``seconds`` of wall time."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    busy = sum(delta) - delta[3] - delta[4]
+    return round(busy / os.sysconf("SC_CLK_TCK") / seconds, 3)
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds process ``pid`` has used, all its threads (None if
+    gone or off Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def quiet(seconds: float, pids: dict[str, int]) -> dict[str, Any]:
+    """Wait ``seconds`` with nothing measured, and record what the machine and the
+    named processes (idle servers, a kept engine harness) still did meanwhile: a process
+    that keeps a vCPU busy after its run slows whatever runs next."""
+    before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+    machine, started = cpu_times(), time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - started
+    used = {}
+    for name, pid in pids.items():
+        after = process_cpu_seconds(pid)
+        first = before[name]
+        used[name] = None if after is None or first is None else round(after - first, 3)
+    return {"seconds": round(elapsed, 3), "busy_vcpus": busy_vcpus(machine, cpu_times(),
+                                                                   elapsed),
+            "process_cpu_s": used}
+
+
+def describe_quiet(record: dict[str, Any]) -> str:
+    """``quiet 20.0 s: machine 0.05 vCPUs busy; mlx_serve 0.01 s CPU, engine 0.00 s``."""
+    busy = record["busy_vcpus"]
+    parts = [f"{name} {'-' if v is None else f'{v:.2f}'} s"
+             for name, v in record["process_cpu_s"].items()]
+    return (f"quiet {record['seconds']:.1f} s: machine "
+            f"{'-' if busy is None else f'{busy:.2f}'} vCPUs busy; CPU used "
+            + ", ".join(parts))
+
+
 class HostWatch:
     """``with HostWatch() as host: run()`` (or ``start()`` / ``stop()``), then
     ``host.record()`` for the run's JSON.
