@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -280,7 +281,10 @@ def serve_jobs(harness: EngineHarness, model_path: str, jobs: TextIO, replies: T
 
     A job is ``{"workload": {...}, "prompts_file": PATH, "json": PATH}``; the result goes
     to its ``json`` file, then one reply line: ``{"failed": N}`` or ``{"error": "..."}``.
+    Optional: ``"beside_thread": {"work_us": W, "period_ms": P}`` (see ``measure``) and
+    ``"off_main": true`` (the run steps in a kept thread other than the main one).
     """
+    off_main = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepping")
     for line in jobs:
         if not line.strip():
             continue
@@ -289,8 +293,11 @@ def serve_jobs(harness: EngineHarness, model_path: str, jobs: TextIO, replies: T
             with open(job["prompts_file"]) as fh:
                 data = json.load(fh)
             workload = Workload(**job["workload"])
-            result = measure(harness, model_path, workload, data["prompts"],
-                             data.get("warmup", []), job.get("beside_thread"))
+            args = (harness, model_path, workload, data["prompts"], data.get("warmup", []),
+                    job.get("beside_thread"))
+            # Off the main thread, as mlx_serve steps: one kept thread, like its MLX thread.
+            result = (off_main.submit(measure, *args).result() if job.get("off_main")
+                      else measure(*args))
             report_run(result, f"engine {model_path} {workload.as_dict()}", job["json"])
             reply: dict[str, Any] = {"failed": result["summary"]["failed"]}
         except Exception as exc:  # the runner decides; this process stays ready

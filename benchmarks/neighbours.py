@@ -18,6 +18,8 @@ Neighbours (``--variant``, repeatable; ``0`` is the harness alone):
 - ``thread:W/P``: no other process, but a thread in the harness's own process that runs
   W microseconds of pure Python every P milliseconds (``beside_thread.py``): the
   interpreter lock shared in bursts, as with a server's event loop.
+- ``offmain``: no neighbour, but the harness steps in a thread other than its process's
+  main one, as mlx_serve's MLX thread does.
 
     python -m benchmarks.neighbours --model tiny --concurrency 64 --rounds 2 --settle 5 \\
         --variant 0 --variant spin:2 --variant pingpong:1
@@ -82,6 +84,8 @@ def parse_variant(text: str) -> Variant:
     """``0`` -> ALONE; ``spin:2`` -> ("spin", "2"); ``thread:100/1`` -> ("thread", "100/1")."""
     if text.strip() == "0":
         return ALONE
+    if text.strip() == "offmain":
+        return "offmain", ""
     kind, _, arg = text.partition(":")
     try:
         if kind == "thread":
@@ -93,7 +97,7 @@ def parse_variant(text: str) -> Variant:
         ok = False
     if not ok:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected 0, spin:N, pingpong:N (N >= 1) or thread:W/P")
+            f"{text!r}: expected 0, spin:N, pingpong:N (N >= 1), thread:W/P or offmain")
     return kind, arg
 
 
@@ -102,13 +106,15 @@ def variant_name(variant: Variant) -> str:
     return f"{kind}:{arg}" if arg else kind
 
 
-def beside_thread(variant: Variant) -> dict[str, float] | None:
-    """The job's in-process thread for a ``thread:W/P`` variant (None for the others)."""
+def job_options(variant: Variant) -> dict[str, Any]:
+    """What the harness's job carries for a variant that runs inside its process."""
     kind, arg = variant
+    if kind == "offmain":
+        return {"off_main": True}
     if kind != "thread":
-        return None
+        return {}
     work, period = (float(v) for v in arg.split("/"))
-    return {"work_us": work, "period_ms": period}
+    return {"beside_thread": {"work_us": work, "period_ms": period}}
 
 
 @contextlib.contextmanager
@@ -149,8 +155,7 @@ def run_engine(worker: EngineWorker, workdir: Path, workload: Workload,
     prompts_file.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
     out.unlink(missing_ok=True)
     before, started = cpu_times(), time.monotonic()
-    thread = beside_thread(variant)
-    worker.run(workload, prompts_file, out, **({"beside_thread": thread} if thread else {}))
+    worker.run(workload, prompts_file, out, **job_options(variant))
     summary = dict(json.loads(out.read_text()))["summary"]
     summary["busy_vcpus"] = busy_vcpus(before, cpu_times(), time.monotonic() - started)
     return summary
@@ -202,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
     p.add_argument("--variant", action="append", type=parse_variant, default=None,
-                   help="0, spin:N, pingpong:N or thread:W/P (repeatable; default: 0 and spin:2)")
+                   help="0, spin:N, pingpong:N, thread:W/P or offmain (repeatable; default: 0 "
+                   "and spin:2)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
