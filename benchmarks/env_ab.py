@@ -38,7 +38,7 @@ from benchmarks.contenders import (
     rotated,
     warm_run_line,
 )
-from benchmarks.host import describe
+from benchmarks.host import describe, describe_quiet, quiet
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.report import (
     METRICS,
@@ -179,6 +179,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     with contextlib.ExitStack() as alone:
                         server = (variants.start([name], alone)[name] if args.isolate
                                   else servers[name])
+                        settled = (quiet(args.settle, {n: s.pid for n, s in servers.items()}
+                                         or {name: server.pid}) if args.settle else None)
+                        if settled:
+                            print(describe_quiet(settled), flush=True)
                         target = Target(server.base_url, request_timeout=60.0,
                                         health_probe=args.health_probe or None)
                         began = time.time()
@@ -186,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         if args.stalls:
                             summary["stalls"] = read_stalls(server.log_path, began, time.time())
                     runs.append({"round": rnd, "concurrency": conc, "variant": name,
-                                 "summary": summary})
+                                 "summary": summary, "quiet_before": settled})
                     print(f"round {rnd} c={conc:<4} {name:<32} tok/s "
                           f"{summary['output_throughput']:9.1f}  TTFT p50 "
                           f"{summary['ttft_ms']['p50'] or 0:8.2f}  TPOT p50 "
@@ -216,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-probe", type=float, default=0.0, help="seconds; 0 disables")
     p.add_argument("--run-time-limit", type=float, default=120.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds of quiet before every measured run (what the machine and "
+                        "the servers did meanwhile is printed)")
     p.add_argument("--stalls", action="store_true",
                    help="log each server's event-loop, lock and GC stalls (benchmarks/stalls.py)"
                         " and report the worst of each run")
