@@ -118,8 +118,9 @@ def job_options(variant: Variant) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def neighbours(variant: Variant) -> Iterator[None]:
-    """Start the variant's neighbour processes, wait until each runs, stop them after."""
+def neighbours(variant: Variant) -> Iterator[list[int]]:
+    """Start the variant's neighbour processes, wait until each runs, stop them after;
+    yields their pids (a pair's forked child is in its parent's process group)."""
     kind, arg = variant
     count = int(arg) if kind in KINDS else 0
     procs: list[subprocess.Popen[bytes]] = []
@@ -129,7 +130,7 @@ def neighbours(variant: Variant) -> Iterator[None]:
                                           stdout=subprocess.PIPE, start_new_session=True))
         for proc in procs:
             _wait_ready(proc)
-        yield
+        yield [proc.pid for proc in procs]
     finally:
         for proc in procs:  # each in its own session: the group holds a pair's child too
             with contextlib.suppress(ProcessLookupError):
