@@ -1,4 +1,5 @@
-"""Prompts are encoded to the tokenizer's own ids, without releasing the interpreter lock."""
+"""Prompts are encoded to the tokenizer's own ids; short ones without releasing the
+interpreter lock, long ones releasing it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mlx_serve.http_stack import interpreter_lock_on
-from mlx_serve.prompt_encoder import PromptEncoder
+from mlx_serve.prompt_encoder import KEEP_LOCK_UP_TO_CHARS, PromptEncoder
 from mlx_serve.prompts import render_chat
 from mlx_serve.protocol import ChatCompletionRequest
 from mlx_serve.tiny_model import build_tiny_model
@@ -22,6 +23,7 @@ TEXTS = [
     "<|im_start|>user\nspecial tokens inside<|im_end|>",
     "Ünïcödé, 中文, emoji 🙂🚀 and digits 0123456789",
     "The quick brown fox jumps over the lazy dog. " * 40,
+    "The quick brown fox jumps over the lazy dog. " * 400,  # past KEEP_LOCK_UP_TO_CHARS
 ]
 
 
@@ -98,16 +100,21 @@ def _lock_kept_during(fn: Callable[[], object]) -> bool:
 
 
 @pytest.mark.skipif(not interpreter_lock_on(), reason="a free-threaded interpreter has no lock")
-def test_encoding_keeps_the_interpreter_lock(tiny_model_dir: Path) -> None:
+def test_short_text_keeps_the_interpreter_lock_and_long_text_releases_it(
+        tiny_model_dir: Path) -> None:
     tokenizer = _tokenizer(tiny_model_dir)
     encode = PromptEncoder(tokenizer)
-    # Long (64,000 tokens, ~150 ms to encode): with a few thousand tokens the control
-    # failed once on a loaded machine, the waiting spinner not getting a core before
-    # transformers' encode took the lock back.
-    text = TEXTS[-1] * 80
-    assert _lock_kept_during(lambda: encode(text))
-    # The control: transformers' own encode hands the lock away (why this module exists).
-    assert not _lock_kept_during(lambda: tokenizer.encode(text))
+    short = TEXTS[-2]
+    assert len(short) <= KEEP_LOCK_UP_TO_CHARS
+    # Kept even though transformers' own encode hands it away (why this module exists).
+    assert _lock_kept_during(lambda: encode(short))
+    # Long (64,000 tokens, ~150 ms to encode): with a few thousand tokens a release was
+    # missed once on a loaded machine, the waiting spinner not getting a core before the
+    # encoder took the lock back. Such text is encoded on a worker thread, where keeping
+    # the lock would stop the event loop for the whole encode.
+    long = TEXTS[-2] * 80
+    assert not _lock_kept_during(lambda: encode(long))
+    assert not _lock_kept_during(lambda: tokenizer.encode(long))  # the control
 
 
 class _OwnEncode:

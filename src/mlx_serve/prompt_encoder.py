@@ -8,6 +8,11 @@ switch interval (5 ms). A burst of 128 requests paid that 128 times in one turn 
 loop; on an H200 host the loop stood still for 60-100 ms and /health with it. The Rust
 tokenizer's single ``encode`` keeps the lock for its fraction of a millisecond.
 
+Long text is the other way round. It is encoded on a worker thread (request_building's
+``off_loop_if_long``), and there keeping the lock would stop the event loop for the
+whole encode: a 4 MB prompt held it, and every probe and stream with it, for 3.4 s.
+Text over ``KEEP_LOCK_UP_TO_CHARS`` goes through ``encode_batch``, which releases it.
+
 It is used only where it gives the tokenizer's own ids: the tokenizer's class must encode
 through transformers' stock path (no override), with no truncation or padding set, and
 both ways must agree on a probe text at start-up. Otherwise the tokenizer's ``encode``
@@ -25,6 +30,11 @@ log = logging.getLogger(__name__)
 # that differ in their handling of special tokens or normalisation would disagree.
 _PROBE = ("  Hello <|im_start|>user\n<s></s>[INST] world!\t\tÇa va? 🙂 12345 "
           "<|endoftext|><|eot_id|> end  ")
+
+
+# The longest text encoded with the lock kept; request_building encodes no longer text
+# on the event loop.
+KEEP_LOCK_UP_TO_CHARS = 2048
 
 
 class PromptEncoder:
@@ -45,6 +55,9 @@ class PromptEncoder:
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._backend is not None:
+            if len(text) > KEEP_LOCK_UP_TO_CHARS:  # other threads run meanwhile
+                return self._backend.encode_batch(
+                    [text], add_special_tokens=add_special_tokens)[0].ids
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 

@@ -19,6 +19,7 @@ from mlx_serve.config import Settings
 from mlx_serve.errors import ContextLengthExceededError, RequestError, UnsupportedParameterError
 from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
 from mlx_serve.guided import guided_format
+from mlx_serve.prompt_encoder import KEEP_LOCK_UP_TO_CHARS
 from mlx_serve.prompts import Rendered, render_chat, with_allowed_tools
 from mlx_serve.protocol import (
     ACCEPTED_NO_EFFECT,
@@ -278,8 +279,9 @@ def _held_calls(body: ChatCompletionRequest, rendered: Rendered, tokenizer: Any
 
 # Text up to this many characters is rendered and tokenized on the event loop: that
 # takes 0.1-0.5 ms, less than a worker-thread hop, which added about 1 ms to the time
-# to first token under load. Longer text (a long prompt is CPU work) goes to a thread.
-INLINE_TEXT_CHARS = 2048
+# to first token under load. Longer text (a long prompt is CPU work) goes to a thread,
+# where the encoder releases the interpreter lock (prompt_encoder.py).
+INLINE_TEXT_CHARS = KEEP_LOCK_UP_TO_CHARS
 
 
 async def off_loop_if_long(chars: int | None, fn: Callable[..., T], *args: Any) -> T:
