@@ -290,6 +290,18 @@ def test_the_int64_seeds_at_either_end_sample_apart_from_their_neighbours(client
     assert len(set(texts)) == len(texts), texts
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy(client):
+    def sample(temperature: float) -> str:
+        return client.completions.create(model=MODEL, prompt="The weather is", max_tokens=16,
+                                         temperature=temperature, seed=1).choices[0].text
+
+    # Logits divided by 1e-38 overflowed float32 and sampled noise; under 1e-5 is greedy
+    # (as in vLLM), a temperature above it still samples.
+    greedy = sample(0)
+    assert sample(1e-38) == sample(1e-300) == sample(9e-6) == greedy
+    assert sample(1.0) != greedy
+
+
 def test_logit_bias_forces_a_token(client, tokenizer):
     the = tokenizer.token_to_id("Ġthe")  # " the"
     assert the is not None and tokenizer.decode([the] * 3) == " the the the"

@@ -107,6 +107,9 @@ def check_completion_fields(body: CompletionRequest) -> None:
         _unsupported("suffix")
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 def sampling_params(
     body: ChatCompletionRequest | CompletionRequest,
     max_tokens: int | None,
@@ -136,9 +139,12 @@ def sampling_params(
         raise RequestError(f"'min_tokens' ({body.min_tokens}) must be at most max_tokens "
                            f"({max_tokens})", param="min_tokens")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    temperature = 1.0 if body.temperature is None else body.temperature
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        # Below this, dividing the logits by it overflows float32 into noise: greedy, as
+        # vLLM treats any temperature under 1e-5.
+        temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         # A top_k that keeps the whole vocabulary is no filter (mlx-lm would raise).
         top_k=0 if (body.top_k or 0) >= runner.vocab_size else max(0, body.top_k or 0),
