@@ -148,8 +148,8 @@ CHAT_400 = [
     ({"messages": HI, "logit_bias": {"100000": 5}}, "logit_bias"),
     ({"messages": HI, "logit_bias": {"7": 150}}, "logit_bias"),
     ({"messages": HI, "stop": [str(i) for i in range(17)]}, "stop"),
-    ({"messages": HI, "stream": True, "stream_options": {"include_usage": True, "bogus": 1}},
-     "stream_options"),
+    ({"messages": HI, "echo": True}, "echo"),  # vLLM's: the last message before the reply
+    ({"messages": HI, "chat_template": "{{ messages }}"}, "chat_template"),
     ({"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": HI, "user": 42}, "user"),
     ({"messages": HI, "repetition_penalty": 0}, "repetition_penalty"),
@@ -280,6 +280,14 @@ def test_a_response_text_verbosity_is_refused_unless_the_default(http):
                      ).status_code == 200
     assert http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1,
                                                    "verbosity": "medium"}).status_code == 200
+
+
+def test_defaults_and_unknown_fields_that_change_nothing_are_accepted(http):
+    for extra in ({"modalities": ["text"]}, {"echo": False},
+                  {"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}):
+        reply = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1,
+                                                        **extra})
+        assert reply.status_code == 200, (extra, reply.text)
 
 
 def test_stream_options_the_sdk_sends_are_accepted(server):

@@ -28,8 +28,10 @@ from pydantic_core import PydanticCustomError
 UNSUPPORTED_FIELDS = frozenset({
     "audio", "modalities", "prediction", "web_search_options",
     "functions", "function_call", "verbosity", "moderation",
-    # vLLM's, which its clients send in extra_body
+    # vLLM's, which its clients send in extra_body (``echo`` and ``chat_template`` on a
+    # chat: the last message's text before the reply, a template of the client's own)
     "use_beam_search", "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
+    "echo", "chat_template",
 })
 # Fields of a chat message that would change the prompt and are not served: an earlier
 # audio reply by its id, and the function call of OpenAI's deprecated functions API.
@@ -123,7 +125,7 @@ TokenId = StrictInt
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown ones are logged and ignored
     include_usage: bool = False
     continuous_usage_stats: bool = False
     # OpenAI pads its streamed chunks with random characters in an ``obfuscation`` field
@@ -311,7 +313,7 @@ class CompletionRequest(_Request):
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize``: a completion's ``prompt`` or a chat's ``messages``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields: the route's field policy
 
     model: str | None = None
     prompt: str | None = None
@@ -325,7 +327,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields: the route's field policy
 
     model: str | None = None
     tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]

@@ -55,7 +55,7 @@ def _unsupported(param: str, why: str = "is not supported by this server") -> No
 
 
 # Unsupported fields' values that ask for what the server does anyway: OpenAI's default.
-_DEFAULTS = {"verbosity": "medium"}
+_DEFAULTS: dict[str, Any] = {"verbosity": "medium", "modalities": ["text"]}
 # Unsupported fields that an empty value turns on ({} is web search with its defaults).
 _ON_WHEN_EMPTY = frozenset({"web_search_options"})
 
@@ -90,6 +90,9 @@ def check_shared_fields(body: ChatCompletionRequest | CompletionRequest, setting
         raise RequestError("'stream_options' is only allowed when 'stream' is true",
                            param="stream_options")
     check_extra_fields(body.model_extra, UNSUPPORTED_FIELDS, ACCEPTED_NO_EFFECT)
+    if body.stream_options is not None:
+        check_extra_fields(body.stream_options.model_extra, frozenset(), frozenset(),
+                           prefix="stream_options.")
     if body.prompt_logprobs is not None and body.stream:  # as vLLM
         raise RequestError("'prompt_logprobs' is not available when 'stream' is true",
                            param="prompt_logprobs")

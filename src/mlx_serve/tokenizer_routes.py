@@ -18,7 +18,11 @@ from mlx_serve.http_input import check_model, parse, read_json, ready_engine, se
 from mlx_serve.json_response import JSONResponse
 from mlx_serve.prompts import render_chat
 from mlx_serve.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
-from mlx_serve.request_building import off_loop_if_long
+from mlx_serve.request_building import check_extra_fields, off_loop_if_long
+
+# vLLM's fields that would change the tokens and are not served here (a chat template of
+# the client's own); any other unknown field is logged and ignored.
+TOKENIZE_UNSUPPORTED = frozenset({"chat_template"})
 
 
 async def tokenize(request: Request) -> Response:
@@ -26,6 +30,7 @@ async def tokenize(request: Request) -> Response:
     (``messages``, through the chat template) would have here."""
     state = server_state(request)
     body = parse(TokenizeRequest, await read_json(request, state))
+    check_extra_fields(body.model_extra, TOKENIZE_UNSUPPORTED, frozenset())
     check_model(state, body.model)
     runner = ready_engine(state).runner
     if (body.prompt is None) == (body.messages is None):
@@ -54,6 +59,7 @@ async def detokenize(request: Request) -> Response:
     """vLLM's ``/detokenize``: token ids -> text."""
     state = server_state(request)
     body = parse(DetokenizeRequest, await read_json(request, state))
+    check_extra_fields(body.model_extra, frozenset(), frozenset())
     check_model(state, body.model)
     runner = ready_engine(state).runner
     if any(not 0 <= t < runner.vocab_size for t in body.tokens):
