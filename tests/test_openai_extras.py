@@ -71,7 +71,25 @@ def test_completion_logprobs_have_the_legacy_shape(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == reply.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
-    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    # The two likeliest, and the chosen token where it is not one of them (OpenAI: "up to
+    # logprobs+1 elements").
+    assert all(len(top) <= 3 for top in lp.top_logprobs)
+    assert all(t in lp.top_logprobs[i] for i, t in enumerate(lp.tokens))
+
+
+def test_the_chosen_token_is_among_the_top_logprobs_even_when_unlikely(client):
+    reply = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12,
+                                      temperature=2.0, seed=3, logprobs=1, logit_bias=NO_EOS)
+    lp = reply.choices[0].logprobs
+    assert all(t in lp.top_logprobs[i] for i, t in enumerate(lp.tokens))
+    # At temperature 2 most sampled tokens are not the likeliest: their entry is the extra.
+    extra = [i for i, top in enumerate(lp.top_logprobs) if len(top) == 2]
+    assert extra and all(lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]
+                         for i in extra)
+    zero = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3,
+                                     temperature=0, logprobs=0, logit_bias=NO_EOS)
+    assert [list(top) for top in zero.choices[0].logprobs.top_logprobs] == [
+        [t] for t in zero.choices[0].logprobs.tokens]  # as vLLM: the chosen token alone
 
 
 def test_n_choices_are_indexed_and_seeded_one_by_one(client):

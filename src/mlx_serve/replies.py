@@ -16,6 +16,11 @@ from mlx_serve.text_offsets import TextOffsets, prompt_offsets
 from mlx_serve.tool_calls import CallUpdate, ToolCallStream
 
 
+def _with_chosen(top: dict[str, float], chosen: TokenLogprob) -> dict[str, float]:
+    top.setdefault(chosen.token, chosen.logprob)
+    return top
+
+
 def vllm_prompt_logprobs(scores: PromptLogprobs) -> list[dict[str, dict] | None]:
     """vLLM's ``prompt_logprobs``: per prompt token (the first has none), its own entry
     and its alternatives', keyed by token id, each with its log-probability, its rank in
@@ -149,9 +154,12 @@ class ReplyShape:
         tokens += [t.token for t in items]
         values += [t.logprob for t in items]
         # The prompt may have been scored with more alternatives (for prompt_logprobs).
-        tops += [{s: lp for s, _, lp in t.top[:self.logprobs]} for t in items]
-        return {"tokens": tokens, "token_logprobs": values,
-                "top_logprobs": tops if self.logprobs else None,
+        # The chosen token is always among them, as OpenAI's legacy API promises ("up to
+        # logprobs+1 elements") and vLLM does, even where it is not among the likeliest
+        # (unless one of those has the same text: keys are texts, and that entry stays).
+        tops += [_with_chosen({s: lp for s, _, lp in t.top[:self.logprobs]}, t)
+                 for t in items]
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": text_offset + offsets}
 
     def usage(self, choices: list[Choice]) -> dict[str, Any]:
