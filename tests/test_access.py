@@ -88,10 +88,12 @@ def test_the_engine_process_command_line_has_no_key(server):
 # -- browsers ------------------------------------------------------------------------------
 
 def test_cors_is_off_unless_asked_for():
+    from starlette.middleware.cors import CORSMiddleware
+
     from mlx_serve.app import create_app
     from mlx_serve.config import Settings
 
-    assert create_app(Settings()).user_middleware == []
+    assert all(m.cls is not CORSMiddleware for m in create_app(Settings()).user_middleware)
     assert Settings(allowed_origins=" https://a.example, *").origins == ["https://a.example", "*"]
 
 
@@ -121,8 +123,43 @@ def test_replies_name_the_allowed_origin_and_no_other(server):
                           headers={**auth, "Origin": "https://elsewhere.example"})
         preflight = http.options("/v1/chat/completions", headers={
             "Origin": "https://elsewhere.example", "Access-Control-Request-Method": "POST"})
-    assert allowed.status_code == other.status_code == 200
+    assert allowed.status_code == 200
     assert allowed.headers["access-control-allow-origin"] == ORIGIN
     assert allowed.text.rstrip().endswith("data: [DONE]")
+    assert other.status_code == 403  # a page of an origin not allowed: refused unread
+    assert other.json()["error"]["code"] == "origin_not_allowed"
     assert "access-control-allow-origin" not in other.headers
     assert preflight.status_code == 400
+
+
+@pytest.fixture(scope="module")
+def default_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("origins") / "server.log"
+    with ServerProcess(tiny_model_dir, log) as proc:
+        yield proc
+
+
+def test_a_web_page_cannot_make_a_default_server_generate(default_server):
+    """A page may send a form or a text/plain POST to any origin without asking; the
+    server reads such a body as JSON, so only the page's Origin tells it apart."""
+    body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    with httpx.Client(base_url=default_server.base_url, timeout=TIMEOUT) as http:
+        for kind in ("text/plain", "application/x-www-form-urlencoded"):
+            for path in ("/v1/chat/completions", "/v1/responses", "/tokenize"):
+                refused = http.post(path, content=body, headers={
+                    "Content-Type": kind, "Origin": "https://evil.example"})
+                assert refused.status_code == 403, (path, refused.text)
+                assert "--allowed-origins" in refused.json()["error"]["message"]
+        # Pages of "null" origin (sandboxed frames, files) are pages too.
+        assert http.post("/v1/completions", content='{"prompt": "hi"}',
+                         headers={"Origin": "null"}).status_code == 403
+        # Clients that are not browsers send no Origin: served as before.
+        plain = http.post("/v1/chat/completions", content=body,
+                          headers={"Content-Type": "text/plain"})
+        assert plain.status_code == 200, plain.text
+        # Reads pass (a page cannot see their answers without CORS).
+        assert http.get("/v1/models", headers={"Origin": "https://evil.example"}
+                        ).status_code == 200
+        health = http.get("/health").json()
+        assert health["running"] == health["waiting"] == 0

@@ -34,6 +34,7 @@ from mlx_serve.http_stack import log_http_stack, log_interpreter_lock
 from mlx_serve.metrics import ServerMetrics
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import DEFAULT_MODEL_ID
+from mlx_serve.origin_guard import ForeignOriginGuard
 from mlx_serve.remote_engine import RemoteEngine
 from mlx_serve.responses_store import ResponseStore
 from mlx_serve.routes import ROUTES
@@ -123,10 +124,13 @@ def create_app(settings: Settings | None = None) -> Starlette:
     routes = ROUTES + (debug_routes() if settings.failpoints_http else [])
     # CORS only when asked for: its middleware sits on every streamed chunk's send, and a
     # server open to every web page's scripts should be a choice (Ollama's default too).
-    middleware = [Middleware(CORSMiddleware, allow_origins=settings.origins,
-                             allow_methods=["GET", "POST", "DELETE"],
-                             allow_headers=["*"])
-                  ] if settings.origins else []
+    # The guard looks at each request's head only, and refuses what pages of origins not
+    # allowed send without asking (origin_guard.py).
+    middleware = [Middleware(ForeignOriginGuard, allowed_origins=settings.origins)]
+    if settings.origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=settings.origins,
+                                     allow_methods=["GET", "POST", "DELETE"],
+                                     allow_headers=["*"]))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
 
