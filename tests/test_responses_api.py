@@ -86,6 +86,19 @@ def test_a_json_schema_text_format_is_enforced_and_completes(client, stream):
     assert isinstance(json.loads(reply.output_text)["n"], int)
 
 
+def test_a_text_format_that_fails_mid_reply_names_the_responses_field(client):
+    # A $ref cycle with no way out: the grammar gives up once the reply is under way.
+    looped = {"type": "object", "properties": {"b": {"$ref": "#/$defs/x"}}, "required": ["b"],
+              "additionalProperties": False}
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+              "$defs": {"x": looped}, "additionalProperties": False}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="x", temperature=0, max_output_tokens=200,
+                                text={"format": {"type": "json_schema", "name": "c",
+                                                 "schema": schema}})
+    assert info.value.body["param"] == "text.format"  # not the chat request's field
+
+
 def test_output_text_logprobs_are_the_chat_requests(client):
     """include message.output_text.logprobs: each token's log-probability and top
     alternatives, as the chat request gives them, whole and streamed."""

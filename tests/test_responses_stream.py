@@ -8,7 +8,9 @@ import json
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from mlx_serve.generation import Delta, FinishReason
 from mlx_serve.protocol_responses import ResponsesRequest
+from mlx_serve.replies import Choice, ReplyShape
 from mlx_serve.responses_api import ResponseBuilder
 from mlx_serve.responses_stream import _OutputItems
 from tests.test_agentic import scripted_deltas, sdk, shape_for
@@ -130,3 +132,59 @@ def test_a_forced_call_is_the_whole_output(agentic_server):
         assert json.loads(response.output[0].arguments)["city"] in ("Paris", "Rome")
     assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0]
     assert not [e for e in events if "output_text" in e.type or "content_part" in e.type]
+
+
+def _late_reasoning_deltas() -> list[Delta]:
+    """Text, then reasoning (a model that thinks after it began to answer), then text,
+    cut off by the length limit; markers and split characters write nothing."""
+    return [Delta("Sure", 1), Delta("", 1),  # an opening marker
+            Delta("", 1, reasoning="wait, "), Delta("", 1),  # part of a character
+            Delta("", 1, reasoning="é"), Delta("", 1),  # a closing marker
+            Delta(" then", 1, FinishReason.LENGTH)]
+
+
+def test_reasoning_after_the_first_text_comes_after_the_message_in_stream_and_result():
+    body = ResponsesRequest(model="m", input="x")
+    builder = ResponseBuilder(body, "m", "resp_1")
+    items = _OutputItems(builder, ReplyShape(chat=True, model="m", prompt_tokens=5))
+    frames = [f for delta in _late_reasoning_deltas() for f in items.delta(delta)]
+    closing, final = items.closing(None)
+    events = sdk_events(frames + closing)
+
+    output = final["output"]
+    assert [(o["type"], o["status"]) for o in output] == [
+        ("message", "incomplete"), ("reasoning", "incomplete")]
+    assert output[1]["content"][0]["text"] == "wait, é"
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [(e.output_index, e.item.id) for e in done] == [
+        (i, o["id"]) for i, o in enumerate(output)]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta"
+                   ) == "wait, é"
+    # A non-streamed Response lists the same items in the same order.
+    choice = Choice(0)
+    shape = ReplyShape(chat=True, model="m", prompt_tokens=5)
+    for delta in _late_reasoning_deltas():
+        shape.absorb(choice, delta)
+    whole = ResponseBuilder(body, "m", "resp_2").response("incomplete", choice, 5)["output"]
+    assert [(o["type"], o["status"]) for o in whole] == [
+        ("message", "incomplete"), ("reasoning", "incomplete")]
+
+
+def test_tokens_that_write_no_text_count_with_the_text_they_belong_to():
+    shape = ReplyShape(chat=True, model="m", prompt_tokens=5)
+    choice = Choice(0)
+    # The opening marker and a split character's first byte count as reasoning (the next
+    # text is), the closing marker as the answer's.
+    for delta in [Delta("", 1), Delta("", 1, reasoning="a"), Delta("", 1),
+                  Delta("", 1, reasoning="é"), Delta("", 1), Delta("Yes", 1)]:
+        shape.absorb(choice, delta)
+    assert (choice.tokens, choice.reasoning_tokens) == (6, 4)
+    # A reply cut off inside its reasoning: every token was reasoning, the last one too.
+    choice = Choice(0)
+    for delta in [Delta("", 1), Delta("", 1, reasoning="a"), Delta("", 1),
+                  Delta("", 1, finish_reason=FinishReason.LENGTH)]:
+        shape.absorb(choice, delta)
+    assert (choice.tokens, choice.reasoning_tokens) == (4, 4)
+    item = ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", "resp_3").response(
+        "incomplete", choice, 5)["output"]
+    assert [(o["type"], o["status"]) for o in item] == [("reasoning", "incomplete")]

@@ -55,7 +55,14 @@ class Choice:
     offsets: list[int] = field(default_factory=list)
     text_offsets: TextOffsets = field(default_factory=TextOffsets)
     tokens: int = 0
-    reasoning_tokens: int = 0  # of ``tokens``, those that wrote only reasoning
+    reasoning_tokens: int = 0  # of ``tokens``, those spent on reasoning
+    # Tokens that wrote no text of their own yet (part of a character, a marker): they
+    # count with the next token that does, or with the last one at the end.
+    undecided_tokens: int = 0
+    reasoning_last: bool = False  # whether the last text written was reasoning
+    # How many reasoning pieces came before the reply's first text (None: no text yet):
+    # reasoning written after it is listed after the message in a Response.
+    reasoning_before_text: int | None = None
     cached_tokens: int = 0
     finish: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # echo with logprobs: the prompt's own
@@ -64,6 +71,22 @@ class Choice:
     def call_complete(self, position: int) -> bool:
         """Whether the call's arguments were written to their end (not cut off)."""
         return self.call_stream is None or position not in self.call_stream.cut_off
+
+
+def _count_reasoning(choice: Choice, delta: Delta) -> None:
+    """Count a delta's tokens as reasoning or not: by the text they wrote (a step that
+    also wrote the answer counts as the answer's), and those that wrote none by the
+    next text (the character they are part of), or by the last at the reply's end."""
+    if delta.reasoning or delta.text or delta.tool_calls or delta.tool_text:
+        choice.reasoning_last = bool(delta.reasoning) and not delta.text
+        if choice.reasoning_last:
+            choice.reasoning_tokens += delta.token_count + choice.undecided_tokens
+        choice.undecided_tokens = 0
+    else:
+        choice.undecided_tokens += delta.token_count
+    if delta.finish_reason is not None and choice.reasoning_last:
+        choice.reasoning_tokens += choice.undecided_tokens
+        choice.undecided_tokens = 0
 
 
 def reply_items(choices: list[Choice]) -> int:
@@ -105,8 +128,9 @@ class ReplyShape:
         choice.content.append(delta.text)
         if delta.reasoning:
             choice.reasoning.append(delta.reasoning)
-            if not delta.text:  # a step that also wrote the answer counts as the answer's
-                choice.reasoning_tokens += delta.token_count
+        _count_reasoning(choice, delta)
+        if delta.text and choice.reasoning_before_text is None:
+            choice.reasoning_before_text = len(choice.reasoning)
         calls: list[CallUpdate] = []
         if (delta.tool_calls or delta.tool_text) and self.tool_parser is not None:
             if choice.call_stream is None:

@@ -188,6 +188,7 @@ class ResponseBuilder:
         self.id = request_id
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"  # one id in the stream and the result
+        self.late_reasoning_id = f"rs_{uuid.uuid4().hex}"  # reasoning after the message
         self.created = int(time.time())
 
     def message(self, text: str, status: str, logprobs: Sequence[TokenLogprob] = ()
@@ -196,8 +197,9 @@ class ResponseBuilder:
                 "role": "assistant",
                 "content": [output_text(text, logprobs)] if text else []}
 
-    def reasoning(self, text: str, status: str) -> dict[str, Any]:
-        return {"id": self.reasoning_id, "type": "reasoning", "summary": [],
+    def reasoning(self, text: str, status: str, late: bool = False) -> dict[str, Any]:
+        return {"id": self.late_reasoning_id if late else self.reasoning_id,
+                "type": "reasoning", "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}] if text else [],
                 "status": status}
 
@@ -215,7 +217,8 @@ class ResponseBuilder:
                 incomplete = {"reason": "max_output_tokens"}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "error": {"code": failed_response_code(error), "message": error.message}
+            "error": {"code": failed_response_code(error),
+                      "message": as_responses_error(error).message}
             if error is not None else None,
             "incomplete_details": incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "top_logprobs": body.top_logprobs,
@@ -236,16 +239,32 @@ class ResponseBuilder:
     def _output(self, choice: Choice, status: str, message_after_calls: bool
                 ) -> list[dict[str, Any]]:
         """The reasoning, the message and the function calls, as OpenAI lists them: no
-        message item for a reply of calls or reasoning alone with no text."""
-        output = [self.reasoning("".join(choice.reasoning), "completed")] \
-            if choice.reasoning else []
+        message item for a reply of calls or reasoning alone with no text. Reasoning
+        written after the reply's first text follows them, in an item of its own; an
+        item the reply ended in is ``incomplete`` when the reply was cut off."""
+        early, late = reasoning_parts(choice)
+        cut = status != "completed"
         calls = [function_call_item(call, choice.call_complete(i))
                  for i, call in enumerate(choice.tool_calls)]
+        output = [self.reasoning(early, "incomplete" if cut and not late and not calls
+                                 and not any(choice.content) else "completed")
+                  ] if early else []
+        tail = [self.reasoning(late, "incomplete" if cut else "completed", late=True)
+                ] if late else []
         if not has_message(choice):
-            return output + calls
-        message = self.message("".join(choice.content), "completed" if status == "completed"
-                               else "incomplete", choice.logprobs)
-        return output + (calls + [message] if message_after_calls else [message] + calls)
+            return output + calls + tail
+        message = self.message("".join(choice.content), "incomplete" if cut else "completed",
+                               choice.logprobs)
+        return output + (calls + [message] if message_after_calls else [message] + calls
+                         ) + tail
+
+
+def reasoning_parts(choice: Choice) -> tuple[str, str]:
+    """A reply's reasoning before its first text, and after it."""
+    split = choice.reasoning_before_text
+    if split is None:
+        return "".join(choice.reasoning), ""
+    return "".join(choice.reasoning[:split]), "".join(choice.reasoning[split:])
 
 
 def has_message(choice: Choice) -> bool:

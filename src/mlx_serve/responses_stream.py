@@ -8,6 +8,8 @@ calls or reasoning alone, as at OpenAI), and each function call (its arguments a
 closed (``...done`` events) when the next item opens, the message and the calls when
 theirs end or the reply does, and every id and output index in the events is the one the
 final Response carries, so the SDK's stream helper rebuilds exactly that Response.
+Reasoning that a model writes after its first text (rare) comes last, whole, in an item
+of its own, where the final Response lists it.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class _OutputItems:
         return [self.event("response.output_item.added", output_index=self.reasoning_at,
                            item=self.builder.reasoning("", "in_progress"))]
 
-    def _close_reasoning(self) -> list[bytes]:
+    def _close_reasoning(self, status: str = "completed") -> list[bytes]:
         if not self.reasoning_open:
             return []
         self.reasoning_open = False
@@ -98,7 +100,23 @@ class _OutputItems:
         return [self.event("response.reasoning_text.done", **where, content_index=0,
                            text=text),
                 self.event("response.output_item.done", output_index=self.reasoning_at,
-                           item=self.builder.reasoning(text, "completed"))]
+                           item=self.builder.reasoning(text, status))]
+
+    def _late_reasoning(self, final: dict[str, Any]) -> list[bytes]:
+        """Reasoning written after the reply's first text (not streamed as it came: the
+        message was open), as the item the final Response lists last, whole."""
+        item = final["output"][-1]
+        if item["type"] != "reasoning" or item["id"] != self.builder.late_reasoning_id:
+            return []
+        at, text = self.opened, item["content"][0]["text"]
+        where = {"item_id": item["id"], "output_index": at}
+        return [self.event("response.output_item.added", output_index=at,
+                           item=self.builder.reasoning("", "in_progress", late=True)),
+                self.event("response.reasoning_text.delta", **where, content_index=0,
+                           delta=text),
+                self.event("response.reasoning_text.done", **where, content_index=0,
+                           text=text),
+                self.event("response.output_item.done", output_index=at, item=item)]
 
     def open_message(self) -> list[bytes]:
         """The message item's opening, once, at its first text: after the reasoning."""
@@ -148,8 +166,9 @@ class _OutputItems:
         status = final_status(choice)
         if not has_message(choice):  # calls or reasoning alone
             final = builder.response(status, choice, prompt_tokens)
-            return self._close_reasoning() + [self.event(f"response.{status}",
-                                                         response=final)], final
+            ended_in = next((i for i in final["output"] if i["type"] == "reasoning"), None)
+            return self._close_reasoning(ended_in["status"] if ended_in else "completed") + [
+                self.event(f"response.{status}", response=final)], final
         frames = self.open_message()  # a reply of nothing at all: an empty message
         assert self.message_at is not None
         after = any(at < self.message_at for at in self.call_at.values())
@@ -165,6 +184,7 @@ class _OutputItems:
             self.event("response.content_part.done", **where, part=part),
             self.event("response.output_item.done", output_index=self.message_at,
                        item=message),
+            *self._late_reasoning(final),
             self.event(f"response.{status}", response=final),
         ], final
 

@@ -211,7 +211,10 @@ async def responses(request: Request) -> Response:
         return SSEResponse(response_events(handle, shape, builder,
                                            state.settings.sse_ping_seconds, tracker, store))
     choice = Choice(0)
-    await collect(handle, shape, 1, request, tracker, into=[choice])
+    try:
+        await collect(handle, shape, 1, request, tracker, into=[choice])
+    except MLXServeError as exc:  # a fault mid-reply (a format's) names the chat field
+        raise as_responses_error(exc) from None
     final = whole_response(builder, choice, shape.prompt_tokens)
     store(final)
     return await json_reply(reply_items([choice]), lambda: final)
