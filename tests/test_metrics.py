@@ -3,6 +3,8 @@ scrape, and each request's ending, tokens and latencies counted once."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from pathlib import Path
 
@@ -18,8 +20,10 @@ from tests.http_helpers import (
     NO_EOS,
     TIMEOUT,
     chat_prompt_tokens,
+    health,
     read_then_leave,
     server_fixture,
+    wait_health,
 )
 from tests.server_process import ServerProcess
 
@@ -101,6 +105,24 @@ def test_requests_are_counted_once_by_how_they_ended(server, tiny_model_dir: Pat
     assert grew("mlx_serve_request_time_per_output_token_seconds_count") == 2
     assert grew("mlx_serve_steps_total") >= 9
     assert value(after, "mlx_serve_num_requests_running") == 0
+
+
+def test_a_whole_reply_whose_client_left_counts_the_tokens_made_for_it(server):
+    before = scrape(server)
+    steps = health(server)["steps"]
+    body = json.dumps({"model": MODEL, "prompt": "count", "max_tokens": 2000,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        # Leave once the batch has made at least 20 of its tokens (a step makes one).
+        wait_health(server, lambda h: h["steps"] >= steps + 20)
+    after = wait_for_metric(server, "mlx_serve_request_aborted_total",
+                            value(before, "mlx_serve_request_aborted_total") + 1)
+    made = (value(after, "mlx_serve_generation_tokens_total")
+            - value(before, "mlx_serve_generation_tokens_total"))
+    assert made >= 20  # before: only those its handle had handed over (one)
 
 
 def test_the_endpoint_is_get_only(server):

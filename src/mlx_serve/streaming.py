@@ -258,11 +258,16 @@ async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, reques
     failure: MLXServeError | None = None
     async with handle, anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
-        async for event in handle:
-            if isinstance(event, Failure):
-                failure = event.error
-                break
-            shape.absorb(state[event.index], event)
+        try:
+            async for event in handle:
+                if isinstance(event, Failure):
+                    failure = event.error
+                    break
+                shape.absorb(state[event.index], event)
+        finally:  # a client that left: what was made for it still counts, in the metrics
+            for event in handle.take_ready():
+                if not isinstance(event, Failure):
+                    shape.absorb(state[event.index], event)
         tg.cancel_scope.cancel()
     if failure is not None:
         raise failure  # outside the task group, so it is not wrapped in a group
