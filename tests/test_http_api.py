@@ -211,6 +211,21 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(
         assert seen == sorted(set(seen)) and seen[0] >= 1 and seen[-1] == 6, (index, seen)
 
 
+def test_continuous_usage_stats_count_each_prompts_own_tokens(server, tokenizer):
+    prompts = ["hi", "hello world how are you"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 2, "temperature": 0,
+            "stream": True, "logit_bias": NO_EOS,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as http:
+        lines = http.post("/v1/completions", json=body).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    own = [len(tokenizer.encode(p).ids) for p in prompts]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        assert chunk["usage"]["prompt_tokens"] == own[choice["index"]], chunk
+    assert chunks[-1]["usage"]["prompt_tokens"] == sum(own)  # the request's, all prompts
+
+
 def test_continuous_usage_stats_need_include_usage(server):
     body = {"model": MODEL, "messages": HI, "max_tokens": 3, "stream": True,
             "stream_options": {"continuous_usage_stats": True}}

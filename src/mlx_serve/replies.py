@@ -105,6 +105,9 @@ class ReplyShape:
     include_usage: bool = False
     # vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far.
     continuous_usage: bool = False
+    # Each choice's own prompt tokens (several prompts in one completion request), for
+    # that usage; ``prompt_tokens`` is the request's, all prompts together.
+    choice_prompt_tokens: dict[int, int] = field(default_factory=dict)
     logprobs: int | None = None
     reasoning_format: str = "reasoning"
     tool_parser: Any = None
@@ -208,10 +211,10 @@ class ReplyShape:
     def _envelope(self, choices: list[dict], completion_tokens: int = 0) -> dict:
         body = {"id": self.id, "object": self._object(chunk=True), "created": self.created,
                 "model": self.model, "choices": choices}
-        if self.continuous_usage:  # as vLLM: the choice's own tokens so far
-            body["usage"] = {"prompt_tokens": self.prompt_tokens,
-                             "completion_tokens": completion_tokens,
-                             "total_tokens": self.prompt_tokens + completion_tokens}
+        if self.continuous_usage:  # as vLLM: the choice's own prompt and tokens so far
+            prompt = self.choice_prompt_tokens.get(choices[0]["index"], self.prompt_tokens)
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt + completion_tokens}
         elif self.include_usage:
             body["usage"] = None
         return body

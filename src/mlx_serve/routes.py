@@ -132,6 +132,8 @@ def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model:
                       tool_parser=parser, tools=prepared.tools,
                       one_tool_call=prepared.requests[0].output.one_tool_call,
                       echo=prepared.echo,
+                      choice_prompt_tokens={r.index: len(r.prompt_tokens)
+                                            for r in prepared.requests},
                       prompt_logprobs=prepared.prompt_logprobs, id=request_id, **options)
 
 
