@@ -3,6 +3,8 @@ raw HTTP where the JSON itself is checked)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -128,6 +130,27 @@ def test_stop_token_ids_end_generation_like_an_end_of_sequence(client):
     assert plain.choices[0].finish_reason == "length" and plain.choices[0].text
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == "" and cut.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_token_that_ends_a_reply_has_its_logprob_as_usage_counts_it(client, stream):
+    forced = {**NO_EOS, "100": 100}  # token 100 every time
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 4, "temperature": 0,
+            "logit_bias": forced, "logprobs": 1, "stop_token_ids": [100], "stream": stream}
+    with httpx.Client(base_url=str(client.base_url), timeout=30) as http:
+        reply = http.post("completions", json=body)
+    assert reply.status_code == 200, reply.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in reply.text.splitlines()
+                  if line.startswith("data: {")]
+        tokens = [t for c in chunks for ch in c["choices"] if ch["logprobs"]
+                  for t in ch["logprobs"]["tokens"]]
+    else:
+        (choice,) = reply.json()["choices"]
+        assert choice["finish_reason"] == "stop" and choice["text"] == ""
+        tokens = choice["logprobs"]["tokens"]
+        assert choice["logprobs"]["text_offset"] == [0]
+    assert len(tokens) == 1  # as completion_tokens: the stop token itself
 
 
 @pytest.mark.parametrize("stream", [False, True])

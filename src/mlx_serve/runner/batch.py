@@ -374,7 +374,7 @@ class Runner:
         request = live.request
         logprobs: tuple = ()
         k = request.output.logprobs
-        if k is not None and response.finish_reason != "stop":
+        if k is not None:  # the token that ended the reply too: usage counts it (vLLM)
             logprobs = (token_logprob(self.token_texts, response.logprobs, response.token, k),)
         cached = 0
         if piece.finish is not None:
