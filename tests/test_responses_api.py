@@ -133,6 +133,8 @@ def test_output_text_logprobs_are_the_chat_requests(client):
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [],
                  "encrypted_content": "gAAAAB"}]}, "input"),  # another server's reasoning
     ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+    ({"input": [{"type": "function_call_outpt", "call_id": "c", "output": "x"}]},
+     "input"),  # a type not served: said so, not "input should be a string"
     # Checked on the chat request it is built as, named as the Responses request names it.
     ({"reasoning": {"effort": "low"}}, "reasoning.effort"),  # no reasoning in the template
     ({"max_output_tokens": 100_000}, "max_output_tokens"),  # over the context
@@ -143,6 +145,9 @@ def test_what_is_not_served_is_a_400_naming_it(client, extra, param):
     assert info.value.param is not None and info.value.param.startswith(param)
     if param in ("reasoning.effort", "max_output_tokens"):
         assert param in info.value.message and "max_tokens" not in info.value.message
+    if "function_call_outpt" in str(extra):
+        assert "input.0.type 'function_call_outpt' is not an input item type" in (
+            info.value.message)
 
 
 @pytest.mark.parametrize("lines", [1, 6])  # at response.created; after two text deltas

@@ -183,6 +183,10 @@ class ResponsesAllowedToolsChoice(AllowedTools):
     type: Literal["allowed_tools"]
 
 
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning",
+                    "item_reference")
+
+
 class ResponsesRequest(NullsTakeDefaults):
     """OpenAI's ``POST /v1/responses``: text in, text out; a stored earlier response may
     stand for the conversation before ``input``."""
@@ -192,6 +196,23 @@ class ResponsesRequest(NullsTakeDefaults):
     model: str | None = None
     input: str | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutputItem
                                 | ReasoningItem | ItemReference], Field(min_length=1)]
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_item_types(cls, items: Any) -> Any:
+        """An item of a type not served says so: the union's own error would say the
+        input should have been a string."""
+        if isinstance(items, list):
+            for i, item in enumerate(items):
+                kind = item.get("type") if isinstance(item, dict) else None
+                if isinstance(kind, str) and kind not in INPUT_ITEM_TYPES:
+                    raise PydanticCustomError(
+                        "unknown_item_type", "input.{i}.type '{kind}' is not an input item "
+                        "type served here ({allowed})",
+                        {"i": i, "kind": kind,
+                         "allowed": ", ".join(repr(t) for t in INPUT_ITEM_TYPES)})
+        return items
+
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
