@@ -45,6 +45,10 @@ log = logging.getLogger("mlx_serve")
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: a supervisor should restart us
 FATAL_EXIT_GRACE = 1.0  # seconds for in-flight error replies under plain uvicorn
 ABORT_GRACE = 5.0  # seconds for the actor to end after an abort
+# Seconds the shutdown waits for the MLX thread's job in hand (a step, a model still
+# loading) before leaving without it; after a second signal, hardly at all.
+MLX_STOP_WAIT = 10.0
+STOP_NOW_WAIT = 0.5
 
 
 def served_model_name(settings: Settings) -> str:
@@ -81,6 +85,16 @@ async def _run_engine(state: ServerState) -> None:
             os._exit(FATAL_EXIT_CODE)
 
 
+async def _drain(engine: Engine | RemoteEngine, timeout: float) -> None:
+    """Let the requests in flight finish, then give what is left a terminal error."""
+    engine.begin_drain()
+    with anyio.move_on_after(timeout):
+        await engine.finished.wait()
+    engine.abort()  # whatever is left gets a terminal error, stuck step or not
+    with anyio.move_on_after(ABORT_GRACE):
+        await engine.finished.wait()
+
+
 def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     failpoints = FailPoints.from_spec(settings.failpoints)
@@ -107,17 +121,15 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 tg.start_soon(_run_engine, state)
                 tg.start_soon(_settle_after_load, engine)
                 yield
-                engine.begin_drain()
-                with anyio.move_on_after(settings.drain_timeout):
-                    await engine.finished.wait()
-                engine.abort()  # whatever is left gets a terminal error, stuck step or not
-                with anyio.move_on_after(ABORT_GRACE):
-                    await engine.finished.wait()
+                if not state.drained:  # plain uvicorn: no drain has run yet
+                    await _drain(engine, settings.drain_timeout)
+                if state.stop_now and isinstance(engine, RemoteEngine):
+                    engine.stop_grace = STOP_NOW_WAIT
                 tg.cancel_scope.cancel()
         finally:
             failpoints.release()  # no MLX job may stay blocked on a hang fail point
             if mlx is not None:
-                mlx.stop(timeout=10)
+                mlx.stop(timeout=STOP_NOW_WAIT if state.stop_now else MLX_STOP_WAIT)
 
     from mlx_serve.debug_routes import debug_routes
 

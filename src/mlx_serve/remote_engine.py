@@ -69,6 +69,7 @@ class RemoteEngine:
         self.pid: int | None = None
         self.ready = anyio.Event()
         self.finished = anyio.Event()
+        self.stop_grace = STOP_GRACE_S  # shorter once asked to stop at once
         self._stats = EngineStatistics(EngineState.LOADING, 0, 0, 0, 0, 0, 0, 0.0, None)
         self._memory: dict[str, int] = {}
         self._heard: float | None = None  # when the engine process last said anything
@@ -177,7 +178,7 @@ class RemoteEngine:
             self._writer.close()
             self._writer = None
             with anyio.CancelScope(shield=True):
-                code = await _stopped(process)
+                code = await _stopped(process, self.stop_grace)
             self._end(code, why)
 
     def _start(self, theirs: socket.socket) -> subprocess.Popen[bytes]:
@@ -262,10 +263,11 @@ class RemoteEngine:
         return [hid for hid, _ in answered]
 
 
-async def _stopped(process: subprocess.Popen[bytes]) -> int | None:
-    """The engine process's exit status, stopping it if it does not exit by itself."""
+async def _stopped(process: subprocess.Popen[bytes], grace: float) -> int | None:
+    """The engine process's exit status, stopping it if it does not exit by itself
+    within ``grace`` seconds (a frozen one, say)."""
     try:
-        return await anyio.to_thread.run_sync(process.wait, STOP_GRACE_S)
+        return await anyio.to_thread.run_sync(process.wait, grace)
     except subprocess.TimeoutExpired:
         log.error("the engine process did not exit; killing it")
         process.kill()

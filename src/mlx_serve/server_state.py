@@ -28,3 +28,8 @@ class ServerState:
     bodies: BodyBudget = field(default_factory=lambda: BodyBudget(1 << 62))
     # Set by the server runner (``mlx-serve``): shut down gracefully with this status.
     request_exit: Callable[[int], None] | None = None
+    # Set by the server runner once a signal's drain has run its course (its requests
+    # finished or aborted), or a second signal asked to stop at once: the app's shutdown
+    # then waits for nothing more (an engine that cannot answer would hold it forever).
+    drained: bool = False
+    stop_now: bool = False

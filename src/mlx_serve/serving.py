@@ -22,6 +22,8 @@ import anyio
 import uvicorn
 from starlette.applications import Starlette
 
+from mlx_serve.app import ABORT_GRACE
+
 log = logging.getLogger(__name__)
 
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -78,7 +80,9 @@ class DrainingServer(uvicorn.Server):
         stream its error event and [DONE]), then the server stops. Stopping without it
         left uvicorn to cut the streams off mid-reply once its shutdown timeout passed."""
         log.warning("second signal: aborting the requests still in flight and stopping")
-        self._app.state.server.engine.abort()
+        state = self._app.state.server
+        state.engine.abort()
+        state.drained = state.stop_now = True
         self.should_exit = True
 
     async def _drain(self) -> None:
@@ -91,5 +95,13 @@ class DrainingServer(uvicorn.Server):
         if scope.cancelled_caught:
             log.warning("drain timeout: aborting the requests still in flight")
             engine.abort()
-            await engine.finished.wait()
+            # Bounded too: an engine that cannot answer (a model still loading, a frozen
+            # engine process) must not keep the server from stopping.
+            with anyio.move_on_after(ABORT_GRACE) as grace:
+                await engine.finished.wait()
+            if grace.cancelled_caught:  # nothing more to wait for: stop as at a 2nd signal
+                log.error("the engine did not end within %.0f s of the abort; stopping "
+                          "without it", ABORT_GRACE)
+                self._app.state.server.stop_now = True
+        self._app.state.server.drained = True
         self.should_exit = True

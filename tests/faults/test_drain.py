@@ -8,9 +8,11 @@ long enough to be observed; a sleeping step changes no output.
 
 from __future__ import annotations
 
+import os
 import time
 
 import anyio
+import httpx
 import pytest
 
 from tests.faults.harness import (
@@ -36,7 +38,9 @@ from tests.faults.server_watch import (
     process_exit,
     wait_for_requests,
     wait_for_state,
+    wait_until,
 )
+from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.anyio
 
@@ -200,3 +204,37 @@ async def test_a_second_sigterm_ends_every_request_with_its_error_and_exits_zero
     assert_ended_with_errors(replies, marks["second"], 0.0, 3.0)
     assert code == 0, f"exit status {code}:\n{server.log_text()}"
     assert_log_clean(server)
+
+
+@pytest.mark.parametrize("where", ["in-process", "engine-process"])
+async def test_sigterm_while_the_model_loads_exits_within_the_drain_timeout_and_grace(
+        where, tiny_model_dir, tmp_path):
+    """An engine that cannot end (its model still loading, for a minute here) must not
+    hold the server: past the drain timeout and the abort's grace it stops without it,
+    its engine process too."""
+    flags = ["--drain-timeout", "1", "--failpoints", "startup.load=sleep(60000)"]
+    if where == "engine-process":
+        flags.append("--engine-process")
+    server = ServerProcess(tiny_model_dir, tmp_path / "server.log", args=flags)
+    try:
+        async def loading() -> dict | None:
+            try:
+                async with http_client(server) as client:
+                    _, body = await health(client)
+            except httpx.ConnectError:  # not listening yet
+                return None
+            return body if body.get("state") == "loading" else None
+
+        body = await wait_until(loading, 60, "the server to be loading its model")
+        child = body.get("engine_pid")
+        assert (child is not None) == (where == "engine-process"), body
+        assert (child is not None) == (where == "engine-process"), loading
+        server.terminate()
+        # The drain timeout (1 s), the abort's grace (5 s), a moment to stop.
+        code = await process_exit(server, timeout=12)
+        assert code == 0, server.log_text()
+        assert child is None or not os.path.exists(f"/proc/{child}")  # not left behind
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.stop()
