@@ -229,6 +229,8 @@ class RemoteEngine:
                 for hid in self._fail_open(StepTimeoutError(
                         "the engine process stopped responding; the engine is wedged")):
                     self._send(("close", hid))
+                # Its last report still counts them: they are answered, none runs here.
+                self._stats = dataclasses.replace(self._stats, running=0, waiting=0)
 
     async def _load_tokenizer(self, info: EngineInfo) -> None:
         from mlx_serve.runner.tokenizer_side import load_tokenizer_side

@@ -442,4 +442,6 @@ async def test_a_silent_engine_child_is_wedged_and_its_requests_answered(spawn):
         assert 2.0 <= reply.ended_at - stopped[0] < 5.0, reply.describe()
     assert ready_status == 503 and ready["state"] == "wedged", ready
     assert live_status == 503 and live["state"] == "wedged", live
+    # Its requests are answered: none counts as running or waiting any more.
+    assert ready["running"] == ready["waiting"] == 0, ready
     assert after.completed, after.describe()
