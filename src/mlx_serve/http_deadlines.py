@@ -123,22 +123,26 @@ class DeadlinesMixin:
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if self._between_requests() and b"h2c" in data:  # not scanning bodies
-            head, end, rest = data.partition(b"\r\n\r\n")  # the body is left alone
-            data = _H2C_UPGRADE.sub(rb"x-declined-upgrade\1", head) + end + rest
+        if self._between_requests():
+            if b"h2c" in data:  # not scanning bodies
+                head, end, rest = data.partition(b"\r\n\r\n")  # the body is left alone
+                data = _H2C_UPGRADE.sub(rb"x-declined-upgrade\1", head) + end + rest
+            if self.cycle is None or not self.cycle.more_body:  # not a body answered early
+                # Counted before the parser sees it: the read that completes a head
+                # counts up to the head's end (the rest is its body).
+                end_at = data.find(b"\r\n\r\n")
+                self._head_bytes += len(data) if end_at < 0 else end_at + 4
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse_head()
+                    return
         cycle = self.cycle
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not cycle:  # a request's headers are complete
             self._head_timer = _cancelled(self._head_timer)
             self._head_bytes = 0
             self._track(self.cycle)
-        elif self._between_requests():
-            if self._head_timer is None:
-                self._arm_head()  # the first bytes of a next request's head
-            if self.cycle is None or not self.cycle.more_body:  # not a body answered early
-                self._head_bytes += len(data)
-                if self._head_bytes > MAX_HEAD_BYTES:
-                    self._refuse_head()
+        elif self._between_requests() and self._head_timer is None:
+            self._arm_head()  # the first bytes of a next request's head
 
     def on_headers_complete(self) -> None:
         """httptools' callback, for each head of a pipelined write (h11 has none: it
