@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.http_helpers import HI, MODEL, TIMEOUT
+from tests.http_helpers import HI, MODEL, TIMEOUT, server_fixture
 from tests.server_process import ServerProcess
 
 KEY = "sk-test-4f1d8c"
@@ -132,12 +132,7 @@ def test_replies_name_the_allowed_origin_and_no_other(server):
     assert preflight.status_code == 400
 
 
-@pytest.fixture(scope="module")
-def default_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("origins") / "server.log"
-    with ServerProcess(tiny_model_dir, log) as proc:
-        yield proc
+default_server = server_fixture("origins")  # default settings: no origin allowed
 
 
 def test_a_web_page_cannot_make_a_default_server_generate(default_server):
