@@ -56,6 +56,20 @@ def test_numbers_json_cannot_hold_are_400(http, raw, path):
     assert "JSON" in error["message"] or "range" in error["message"]
 
 
+def test_numbers_out_of_reach_are_named_as_such(http):
+    """Integers past 1,000 digits are refused as such (Python's own refusal, past 4,300,
+    named sys.set_int_max_str_digits). A string "nan" read as a float said the
+    temperature should be at most 100."""
+    digits = http.post("/v1/chat/completions", content=b'{"messages": [], "seed": '
+                       + b"9" * 1500 + b"}", headers={"content-type": "application/json"})
+    message = error_of(digits, 400)["message"]
+    assert "1500 digits" in message and "int_max_str_digits" not in message, message
+    for path, body in (("/v1/chat/completions", {"messages": HI, "temperature": "nan"}),
+                       ("/v1/responses", {"input": "hi", "top_p": "nan"})):
+        error = error_of(http.post(path, json=body), 400)
+        assert "finite number" in error["message"], error
+
+
 @pytest.mark.parametrize("path, raw", [
     ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "a\ud800"}]}'),
     ("/v1/completions", rb'{"prompt": "\udfff", "max_tokens": 1}'),

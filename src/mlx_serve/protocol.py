@@ -65,7 +65,7 @@ class NullsTakeDefaults(BaseModel):
 class _Request(NullsTakeDefaults):
     # Unknown fields are kept so the route can reject OpenAI ones it cannot honour and
     # log (then ignore) vendor extensions, as vLLM does.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # "nan" is no number
 
     model: str | None = None
     stream: bool = False

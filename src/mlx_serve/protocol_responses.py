@@ -191,7 +191,7 @@ class ResponsesRequest(NullsTakeDefaults):
     """OpenAI's ``POST /v1/responses``: text in, text out; a stored earlier response may
     stand for the conversation before ``input``."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # "nan" is no number
 
     model: str | None = None
     input: str | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutputItem
