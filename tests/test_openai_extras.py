@@ -4,6 +4,7 @@ raw HTTP where the JSON itself is checked)."""
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import pytest
@@ -286,3 +287,16 @@ def test_reasoning_effort_for_a_model_that_does_not_reason_is_a_400(client):
         chat(client, reasoning_effort="low")
     assert info.value.param == "reasoning_effort"
     assert "not supported with this model" in info.value.message
+
+
+def test_cached_tokens_add_up_over_the_prompts_of_one_request(client):
+    """Each prompt of a list counts its own reuse of the prefix cache, as prompt_tokens
+    counts each prompt: before, the request reported the largest single reuse."""
+    rng = random.Random(41)
+    first, second = ([rng.randrange(3, 500) for _ in range(60)] for _ in range(2))
+    for prompt in (first, second):  # stored: their KV is there to reuse
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    reply = client.completions.create(model="tiny", prompt=[first[:30] + [7], second + [7]],
+                                      max_tokens=2, temperature=0, n=2)
+    assert reply.usage.prompt_tokens == 31 + 61
+    assert reply.usage.prompt_tokens_details.cached_tokens == 30 + 60

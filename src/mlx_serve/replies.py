@@ -108,6 +108,7 @@ class ReplyShape:
     # Each choice's own prompt tokens (several prompts in one completion request), for
     # that usage; ``prompt_tokens`` is the request's, all prompts together.
     choice_prompt_tokens: dict[int, int] = field(default_factory=dict)
+    choices_per_prompt: int = 1  # ``n``: choice i answers prompt i // n
     logprobs: int | None = None
     reasoning_format: str = "reasoning"
     tool_parser: Any = None
@@ -191,8 +192,12 @@ class ReplyShape:
 
     def usage(self, choices: list[Choice]) -> dict[str, Any]:
         completion_tokens = sum(c.tokens for c in choices)
-        # Choices of one prompt share its prefill; report the best reuse among them.
-        cached = max((c.cached_tokens for c in choices), default=0)
+        # Choices of one prompt share its prefill: its best reuse counts, for each prompt.
+        best: dict[int, int] = {}
+        for c in choices:
+            prompt = c.index // self.choices_per_prompt
+            best[prompt] = max(best.get(prompt, 0), c.cached_tokens)
+        cached = sum(best.values())
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": self.prompt_tokens + completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": cached}}

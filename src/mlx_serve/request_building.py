@@ -48,6 +48,7 @@ class Prepared:
     # The reply's calls are written as JSON whatever the model's own format: a forced
     # call, or calls held to a grammar (``strict_calls``), so they are read as JSON.
     calls_as_json: bool = False
+    choices_per_prompt: int = 1  # ``n``: choice i answers prompt i // n
 
 
 def _unsupported(param: str, why: str = "is not supported by this server") -> None:
@@ -364,6 +365,7 @@ async def build_completion_request(
         reqs += choices(request_id, prompt, params, body.n, i * body.n, body.user, output)
     echo = _echoes(body, prompts, runner) if body.echo else {}
     return Prepared(tuple(reqs), sum(len(p) for p in prompts), body.logprobs, echo=echo,
+                    choices_per_prompt=body.n,
                     prompt_logprobs=body.prompt_logprobs)
 
 

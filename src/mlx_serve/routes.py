@@ -134,6 +134,7 @@ def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model:
                       echo=prepared.echo,
                       choice_prompt_tokens={r.index: len(r.prompt_tokens)
                                             for r in prepared.requests},
+                      choices_per_prompt=prepared.choices_per_prompt,
                       prompt_logprobs=prepared.prompt_logprobs, id=request_id, **options)
 
 
