@@ -11,8 +11,8 @@ from anyio.lowlevel import checkpoint
 
 from mlx_serve.errors import MLXServeError
 from mlx_serve.failpoints import FailPoints
-from mlx_serve.generation import Delta, Failure, FinishReason, ReplyEvent
-from mlx_serve.replies import ReplyShape
+from mlx_serve.generation import Delta, Failure, FinishReason, ReplyEvent, TokenLogprob
+from mlx_serve.replies import Choice, ReplyShape
 from mlx_serve.reply_channel import ReplyChannel
 from mlx_serve.request_handle import RequestHandle
 from mlx_serve.streaming import SSEResponse, sse_events
@@ -105,3 +105,17 @@ async def test_a_failure_ends_the_stream_with_its_error_then_done():
     assert json.loads(data[1])["error"]["message"] == "boom"
     assert data[2:] == ["[DONE]"]  # no usage after a failure
     assert stream.bodies[-1] == (DONE, False)
+
+
+def test_legacy_top_logprobs_keep_the_likeliest_of_one_text_and_the_chosen_token():
+    """Keys are texts: byte pieces of different characters all read U+FFFD. The entry of
+    a text is its likeliest token's; the chosen token is there beside the k likeliest."""
+    bad = "\ufffd"
+    shape = ReplyShape(chat=False, model="m", prompt_tokens=3, logprobs=2)
+    choice = Choice(0)
+    items = [TokenLogprob(bad, (0xE2,), -3.73, ((bad, (0xE2,), -3.73), (bad, (0xF0,), -3.88))),
+             TokenLogprob("x", (120,), -5.0, (("a", (97,), -1.0), ("b", (98,), -2.0)))]
+    shape.absorb(choice, Delta("", 1, logprobs=(items[0],)))
+    shape.absorb(choice, Delta("x", 1, FinishReason.LENGTH, logprobs=(items[1],)))
+    lp = shape.completion([choice])["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{bad: -3.73}, {"a": -1.0, "b": -2.0, "x": -5.0}]

@@ -16,7 +16,12 @@ from mlx_serve.text_offsets import TextOffsets, prompt_offsets
 from mlx_serve.tool_calls import CallUpdate, ToolCallStream
 
 
-def _with_chosen(top: dict[str, float], chosen: TokenLogprob) -> dict[str, float]:
+def _text_keyed(chosen: TokenLogprob, k: int) -> dict[str, float]:
+    """The legacy ``top_logprobs`` entry: the ``k`` likeliest and the chosen token, by
+    text; of tokens with one text (byte pieces all read as U+FFFD) the likeliest's."""
+    top: dict[str, float] = {}
+    for text, _, value in chosen.top[:k]:  # likeliest first
+        top.setdefault(text, value)
     top.setdefault(chosen.token, chosen.logprob)
     return top
 
@@ -183,10 +188,8 @@ class ReplyShape:
         values += [t.logprob for t in items]
         # The prompt may have been scored with more alternatives (for prompt_logprobs).
         # The chosen token is always among them, as OpenAI's legacy API promises ("up to
-        # logprobs+1 elements") and vLLM does, even where it is not among the likeliest
-        # (unless one of those has the same text: keys are texts, and that entry stays).
-        tops += [_with_chosen({s: lp for s, _, lp in t.top[:self.logprobs]}, t)
-                 for t in items]
+        # logprobs+1 elements") and vLLM does, even where it is not among the likeliest.
+        tops += [_text_keyed(t, self.logprobs) for t in items]
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": text_offset + offsets}
 
