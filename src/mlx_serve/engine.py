@@ -26,6 +26,7 @@ from mlx_serve.engine_state import (
     EngineConfig,
     EngineState,
     EngineStatistics,
+    ended_error,
     unavailable_error,
 )
 from mlx_serve.engine_step import EngineStep
@@ -176,7 +177,7 @@ class Engine:
             self._wakeup.close()
             if self._state not in (EngineState.FAILED, EngineState.WEDGED):
                 self._state = EngineState.STOPPED
-            self._fail_all(EngineDeadError(f"the generation engine has {self._state.value}"))
+            self._fail_all(ended_error(self._state, self._aborted))
             self.ready.set()
             self.finished.set()
 

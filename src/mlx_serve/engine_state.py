@@ -13,6 +13,7 @@ from mlx_serve.errors import (
     MLXServeError,
     OverloadedError,
     RequestError,
+    ShuttingDownError,
 )
 
 
@@ -81,3 +82,12 @@ def check_admission(held: int, new: int, capacity: int) -> None:
                            f"holds at most {capacity} requests at once", param="n")
     if held + new > capacity:
         raise OverloadedError("the server is at capacity; retry shortly")
+
+
+def ended_error(state: EngineState, aborted: bool) -> MLXServeError:
+    """The terminal error of a request still open when the engine ended: a shutdown's
+    (the engine stopped by an abort) or a dead engine's."""
+    if aborted and state is EngineState.STOPPED:
+        return ShuttingDownError("the server is shutting down: this request was ended "
+                                 "unfinished; send it again (to another replica)")
+    return EngineDeadError(f"the generation engine has {state.value}")

@@ -110,6 +110,13 @@ class EngineDeadError(EngineUnavailableError):
     code = "engine_dead"
 
 
+class ShuttingDownError(EngineUnavailableError):
+    """A request ended unfinished because the server shuts down (its drain timed out, or
+    a second signal): another replica can serve it."""
+
+    code = "server_shutting_down"
+
+
 class GenerationError(MLXServeError):
     code = "generation_failed"
 

@@ -31,10 +31,11 @@ from mlx_serve.engine_state import (
     EngineState,
     EngineStatistics,
     check_admission,
+    ended_error,
     unavailable_error,
 )
 from mlx_serve.engine_wire import HEARTBEAT_S, EngineInfo, frame, read_message, unpack_event
-from mlx_serve.errors import EngineDeadError, MLXServeError, StepTimeoutError
+from mlx_serve.errors import MLXServeError, StepTimeoutError
 from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent
 from mlx_serve.reply_channel import ReplyChannel
 from mlx_serve.request_handle import RequestHandle
@@ -249,7 +250,7 @@ class RemoteEngine:
             why = why or f"the engine process exited (status {code})"
             self._stats = dataclasses.replace(self._stats, error=why)
             log.critical("the engine has failed: %s", why)
-        self._fail_open(EngineDeadError(f"the generation engine has {self._ended.value}"))
+        self._fail_open(ended_error(self._ended, self._draining))
         # Every request it had is answered now, and no step of it runs any more.
         self._stats = dataclasses.replace(self._stats, running=0, waiting=0, step_age=0.0)
         self.ready.set()

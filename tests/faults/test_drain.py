@@ -145,6 +145,8 @@ async def test_drain_timeout_ends_the_stragglers_with_an_error_and_exits_zero(la
             code = await process_exit(server, timeout=15)
 
     assert_ended_with_errors(replies, marks["sigterm"], 0.9, 5.0)
+    # Said as a shutdown (another replica may serve them), not as a dead engine.
+    assert {r.error["code"] for r in replies} == {"server_shutting_down"}, replies
     assert code == 0, f"exit status {code}:\n{server.log_text()}"
     assert_log_clean(server)
 
