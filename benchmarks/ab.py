@@ -29,7 +29,13 @@ from typing import Any
 from benchmarks import environment
 from benchmarks.ab_config import ABConfig, build_parser, config_from_args
 from benchmarks.contenders import resolve_model_path, resolve_native, rotated, warm_run_line
-from benchmarks.engine_worker import EngineWorker, harness_command, run_fresh
+from benchmarks.engine_worker import (
+    EngineWorker,
+    harness_command,
+    job_files,
+    job_result,
+    run_fresh,
+)
 from benchmarks.host import describe_quiet, quiet
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.memory import rss_run
@@ -125,10 +131,7 @@ class ABRunner:
     def run_engine(self, workload: Workload, prompts: list[str],
                    warmup: list[str]) -> dict[str, Any]:
         """The engine harness on these prompts: in its kept process, or a fresh one."""
-        prompts_file = self.workdir / "prompts.json"
-        out = self.workdir / "engine.json"
-        prompts_file.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
-        out.unlink(missing_ok=True)  # never report an earlier run's result as this one's
+        prompts_file, out = job_files(self.workdir, prompts, warmup)
         cfg, log_path = self.config, self.workdir / "engine.log"
         command = harness_command(self.model_path, cfg.batch, cfg.engine_one_array_logprobs,
                                   cfg.engine_early_decode_join)
@@ -140,9 +143,7 @@ class ABRunner:
             self.engine.run(workload, prompts_file, out)
         else:
             run_fresh(command, workload, prompts_file, out, self.native.env(), log_path)
-        if not out.exists():
-            raise RuntimeError(f"the engine harness wrote no result; see {log_path}")
-        return dict(json.loads(out.read_text()))
+        return job_result(out, log_path)
 
     def warm_servers(self) -> None:
         for name, server in self.servers.items():

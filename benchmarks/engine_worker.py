@@ -52,6 +52,22 @@ def workload_flags(workload: Workload) -> list[str]:
               if workload.long_output_tokens is not None else [])]
 
 
+def job_files(workdir: Path, prompts: list[str], warmup: list[str]) -> tuple[Path, Path]:
+    """A run's prompts file, written, and its result file, cleared (never report an
+    earlier run's result as this one's)."""
+    prompts_file, out = workdir / "prompts.json", workdir / "engine.json"
+    prompts_file.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
+    out.unlink(missing_ok=True)
+    return prompts_file, out
+
+
+def job_result(out: Path, log_path: Path) -> dict[str, Any]:
+    """The result a run wrote to ``out``; raises if it wrote none."""
+    if not out.exists():
+        raise RuntimeError(f"the engine harness wrote no result; see {log_path}")
+    return dict(json.loads(out.read_text()))
+
+
 def run_fresh(command: list[str], workload: Workload, prompts_file: Path, out: Path,
               env: dict[str, str], log_path: Path) -> None:
     """One run in a process started for it alone, bounded in time."""

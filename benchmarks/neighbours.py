@@ -44,7 +44,7 @@ from typing import Any
 from benchmarks import environment
 from benchmarks.ab import RESULTS_DIR
 from benchmarks.contenders import MODEL_HELP, resolve_model_path, resolve_native, rotated
-from benchmarks.engine_worker import EngineWorker, harness_command
+from benchmarks.engine_worker import EngineWorker, harness_command, job_files, job_result
 from benchmarks.host import busy_vcpus, cpu_times, describe_quiet, quiet
 from benchmarks.servers import BatchConfig, add_shape_args
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
@@ -152,12 +152,10 @@ def _wait_ready(proc: subprocess.Popen[bytes]) -> None:
 
 def run_engine(worker: EngineWorker, workdir: Path, workload: Workload,
                prompts: list[str], warmup: list[str], variant: Variant) -> dict[str, Any]:
-    prompts_file, out = workdir / "prompts.json", workdir / "engine.json"
-    prompts_file.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
-    out.unlink(missing_ok=True)
+    prompts_file, out = job_files(workdir, prompts, warmup)
     before, started = cpu_times(), time.monotonic()
     worker.run(workload, prompts_file, out, **job_options(variant))
-    summary = dict(json.loads(out.read_text()))["summary"]
+    summary = job_result(out, worker.log_path)["summary"]
     summary["busy_vcpus"] = busy_vcpus(before, cpu_times(), time.monotonic() - started)
     return summary
 

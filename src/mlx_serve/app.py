@@ -85,14 +85,23 @@ async def _run_engine(state: ServerState) -> None:
             os._exit(FATAL_EXIT_CODE)
 
 
-async def _drain(engine: Engine | RemoteEngine, timeout: float) -> None:
-    """Let the requests in flight finish, then give what is left a terminal error."""
+async def drain_engine(engine: Engine | RemoteEngine, timeout: float) -> bool:
+    """Let the requests in flight finish for up to ``timeout`` seconds, then give what is
+    left a terminal error; whether the engine has ended. The wait after the abort is
+    bounded too: an engine that cannot answer (a model still loading, a frozen engine
+    process) must not keep the server from stopping."""
     engine.begin_drain()
-    with anyio.move_on_after(timeout):
+    with anyio.move_on_after(timeout) as drain:
         await engine.finished.wait()
+    if drain.cancelled_caught:
+        log.warning("drain timeout: aborting the requests still in flight")
     engine.abort()  # whatever is left gets a terminal error, stuck step or not
-    with anyio.move_on_after(ABORT_GRACE):
+    with anyio.move_on_after(ABORT_GRACE) as grace:
         await engine.finished.wait()
+    if grace.cancelled_caught:
+        log.error("the engine did not end within %.0f s of the abort; stopping without it",
+                  ABORT_GRACE)
+    return not grace.cancelled_caught
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
@@ -122,7 +131,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 tg.start_soon(_settle_after_load, engine)
                 yield
                 if not state.drained:  # plain uvicorn: no drain has run yet
-                    await _drain(engine, settings.drain_timeout)
+                    state.stop_now = not await drain_engine(engine, settings.drain_timeout)
                 if state.stop_now and isinstance(engine, RemoteEngine):
                     engine.stop_grace = STOP_NOW_WAIT
                 tg.cancel_scope.cancel()

@@ -110,9 +110,9 @@ class ReplyShape:
     include_usage: bool = False
     # vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far.
     continuous_usage: bool = False
-    # Each choice's own prompt tokens (several prompts in one completion request), for
-    # that usage; ``prompt_tokens`` is the request's, all prompts together.
-    choice_prompt_tokens: dict[int, int] = field(default_factory=dict)
+    # Each prompt's tokens (several prompts in one completion request), for that usage;
+    # ``prompt_tokens`` is the request's, all prompts together.
+    prompt_lengths: tuple[int, ...] = ()
     choices_per_prompt: int = 1  # ``n``: choice i answers prompt i // n
     logprobs: int | None = None
     reasoning_format: str = "reasoning"
@@ -135,9 +135,12 @@ class ReplyShape:
             # The generated tokens' offsets index the reply's text, which starts with it.
             choice.text_offsets = TextOffsets(len(self.echo.get(choice.index, "")))
         choice.content.append(delta.text)
-        if delta.reasoning:
-            choice.reasoning.append(delta.reasoning)
-        _count_reasoning(choice, delta)
+        if delta.text and not delta.reasoning:  # most tokens: the answer's text
+            choice.reasoning_last, choice.undecided_tokens = False, 0
+        else:
+            if delta.reasoning:
+                choice.reasoning.append(delta.reasoning)
+            _count_reasoning(choice, delta)
         if delta.text and choice.reasoning_before_text is None:
             choice.reasoning_before_text = len(choice.reasoning)
         calls: list[CallUpdate] = []
@@ -220,7 +223,9 @@ class ReplyShape:
         body = {"id": self.id, "object": self._object(chunk=True), "created": self.created,
                 "model": self.model, "choices": choices}
         if self.continuous_usage:  # as vLLM: the choice's own prompt and tokens so far
-            prompt = self.choice_prompt_tokens.get(choices[0]["index"], self.prompt_tokens)
+            at = choices[0]["index"] // self.choices_per_prompt
+            prompt = (self.prompt_lengths[at] if at < len(self.prompt_lengths)
+                      else self.prompt_tokens)
             body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                              "total_tokens": prompt + completion_tokens}
         elif self.include_usage:

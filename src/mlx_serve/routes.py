@@ -132,8 +132,9 @@ def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model:
                       tool_parser=parser, tools=prepared.tools,
                       one_tool_call=prepared.requests[0].output.one_tool_call,
                       echo=prepared.echo,
-                      choice_prompt_tokens={r.index: len(r.prompt_tokens)
-                                            for r in prepared.requests},
+                      prompt_lengths=tuple(
+                          len(r.prompt_tokens)
+                          for r in prepared.requests[::prepared.choices_per_prompt]),
                       choices_per_prompt=prepared.choices_per_prompt,
                       prompt_logprobs=prepared.prompt_logprobs, id=request_id, **options)
 

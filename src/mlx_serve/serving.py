@@ -18,11 +18,10 @@ import signal
 from collections.abc import Iterator
 from types import FrameType
 
-import anyio
 import uvicorn
 from starlette.applications import Starlette
 
-from mlx_serve.app import ABORT_GRACE
+from mlx_serve.app import drain_engine
 
 log = logging.getLogger(__name__)
 
@@ -86,22 +85,10 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     async def _drain(self) -> None:
-        engine = self._app.state.server.engine
+        state = self._app.state.server
         log.info("draining: admission closed, waiting up to %.0f s for in-flight requests",
                  self._drain_timeout)
-        engine.begin_drain()
-        with anyio.move_on_after(self._drain_timeout) as scope:
-            await engine.finished.wait()
-        if scope.cancelled_caught:
-            log.warning("drain timeout: aborting the requests still in flight")
-            engine.abort()
-            # Bounded too: an engine that cannot answer (a model still loading, a frozen
-            # engine process) must not keep the server from stopping.
-            with anyio.move_on_after(ABORT_GRACE) as grace:
-                await engine.finished.wait()
-            if grace.cancelled_caught:  # nothing more to wait for: stop as at a 2nd signal
-                log.error("the engine did not end within %.0f s of the abort; stopping "
-                          "without it", ABORT_GRACE)
-                self._app.state.server.stop_now = True
-        self._app.state.server.drained = True
+        # An engine that did not end: nothing more to wait for, stop as at a 2nd signal.
+        state.stop_now = not await drain_engine(state.engine, self._drain_timeout)
+        state.drained = True
         self.should_exit = True
