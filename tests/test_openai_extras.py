@@ -300,3 +300,15 @@ def test_cached_tokens_add_up_over_the_prompts_of_one_request(client):
                                       max_tokens=2, temperature=0, n=2)
     assert reply.usage.prompt_tokens == 31 + 61
     assert reply.usage.prompt_tokens_details.cached_tokens == 30 + 60
+
+
+def test_the_choices_of_one_chat_share_its_cached_tokens(client):
+    """n choices of one prompt share its prefill: its reuse counts once, not n times."""
+    messages = [{"role": "system", "content": "You answer briefly and well. " * 8},
+                {"role": "user", "content": "hi"}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                   temperature=0)  # stored
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                           temperature=0, n=3)
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < reply.usage.prompt_tokens

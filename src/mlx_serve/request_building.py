@@ -271,6 +271,7 @@ async def build_chat_request(
     reasoning_format = body.reasoning_format or settings.reasoning_format
     return Prepared(tuple(reqs), len(rendered.tokens), logprobs, rendered.tools,
                     reasoning_format, prompt_logprobs=body.prompt_logprobs,
+                    choices_per_prompt=body.n,
                     calls_as_json=rendered.forced_call is not None
                     or (calls is not None and calls["as_json"]))
 
