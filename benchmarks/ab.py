@@ -39,6 +39,7 @@ from benchmarks.engine_worker import (
 from benchmarks.host import describe_quiet, quiet
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.memory import rss_run
+from benchmarks.placement import keep_off, machine_vcpus, pin_stepping
 from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
 from benchmarks.server_load import measured_load
 from benchmarks.servers import NativeLibs, ServerProcess, mlx_lm_command, mlx_serve_command, spawn
@@ -50,12 +51,15 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 class ABRunner:
     def __init__(self, config: ABConfig, model_path: str, workdir: Path,
                  servers: dict[str, ServerProcess], native: NativeLibs,
-                 stack: contextlib.ExitStack) -> None:
+                 stack: contextlib.ExitStack, vcpus: list[int] | None = None) -> None:
         self.config, self.model_path, self.workdir = config, model_path, workdir
         self.servers, self.native, self.stack = servers, native, stack
         self.engine: EngineWorker | None = None  # started at its first run, if kept
         self.tokenizer = load_tokenizer(model_path)
         self.runs: list[dict[str, Any]] = []
+        # The vCPUs the quiet before a run sweeps with the probe: all of the machine's.
+        self.vcpus = vcpus or machine_vcpus()
+        self.rest = set(self.vcpus) - {config.pin_stepping}
 
     def prompts(self, workload: Workload) -> tuple[list[str], list[str]]:
         """Fresh prompts per (round, concurrency): no server ever sees one twice."""
@@ -91,7 +95,7 @@ class ABRunner:
         pids = {name: server.pid for name, server in self.servers.items()}
         if self.engine is not None:
             pids[ENGINE] = self.engine.pid
-        record = quiet(self.config.settle, pids)
+        record = quiet(self.config.settle, pids, self.vcpus)
         print(describe_quiet(record), flush=True)
         return record
 
@@ -126,6 +130,8 @@ class ABRunner:
         cfg = self.config
         target = Target(server.base_url, cfg.api, cfg.stream, None, cfg.request_timeout,
                         cfg.health_probe)
+        if cfg.pin_stepping is not None and server.name == OURS:
+            self.pin(server.pid, None)
         return measured_load(server, target, workload, prompts, tuple(warmup))
 
     def run_engine(self, workload: Workload, prompts: list[str],
@@ -140,10 +146,18 @@ class ABRunner:
                 self.engine = EngineWorker(command, self.native.env(), log_path,
                                            cfg.startup_timeout)
                 self.stack.callback(self.engine.stop)
+            if cfg.pin_stepping is not None:  # the harness steps in its main thread
+                self.pin(self.engine.pid, self.engine.pid)
             self.engine.run(workload, prompts_file, out)
         else:
             run_fresh(command, workload, prompts_file, out, self.native.env(), log_path)
         return job_result(out, log_path)
+
+    def pin(self, pid: int, stepping_tid: int | None) -> None:
+        cpu = self.config.pin_stepping
+        assert cpu is not None
+        if pin_stepping(pid, stepping_tid, cpu, self.rest) is None:
+            raise RuntimeError(f"no stepping thread found in process {pid} to pin")
 
     def warm_servers(self) -> None:
         for name, server in self.servers.items():
@@ -210,6 +224,12 @@ def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str],
     native = resolve_native(config.blas, config.allocator)
     if rss_requests:
         config = replace(config, targets=(OURS,), isolate=False)
+    vcpus = machine_vcpus()
+    if config.pin_stepping is not None:
+        if not config.engine_kept:
+            raise SystemExit("--pin-stepping needs the kept engine process (no --isolate, "
+                             "no --engine-process fresh)")
+        keep_off(config.pin_stepping)  # the servers started below inherit the rest
     report: dict[str, Any] = {"meta": environment.describe(argv, model_path),
                               "config": asdict(config), "openblas": native.openblas,
                               "jemalloc": native.jemalloc,
@@ -220,7 +240,7 @@ def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str],
     try:
         with contextlib.ExitStack() as stack:  # stops every started server, always
             servers = start_servers(config, model_path, workdir, native, stack)
-            runner = ABRunner(config, model_path, workdir, servers, native, stack)
+            runner = ABRunner(config, model_path, workdir, servers, native, stack, vcpus)
             if rss_requests:
                 report["rss"] = rss_run(servers[OURS], runner, rss_requests, rss_warmup)
             else:

@@ -51,6 +51,9 @@ class ABConfig:
     # shape at the largest concurrency: a short burst leaves each process to meet most
     # batch sizes and cache lengths (kernels, graphs, buffers) first in round 0.
     warm_run: bool = True
+    # Every contender's stepping thread on this vCPU, everything else on the rest
+    # (``placement.py``); None leaves placement to the kernel.
+    pin_stepping: int | None = None
 
     @property
     def engine_kept(self) -> bool:
@@ -113,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-run", action=argparse.BooleanOptionalAction, default=True,
                    help="one unmeasured run per contender before round 0, the measured "
                         "shape at the largest concurrency (default on; off with --isolate)")
+    p.add_argument("--pin-stepping", type=int, default=None, metavar="CPU",
+                   help="pin the engine harness's and mlx_serve's stepping threads to this "
+                        "vCPU before every run, and everything else (their other threads, "
+                        "mlx_lm.server, the load generator) to the other vCPUs (Linux; "
+                        "not with --isolate or --engine-process fresh)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
     p.add_argument("--rss-run", type=int, default=None, metavar="N",
                    help="memory mode: N requests against mlx_serve, RSS drift")
@@ -144,4 +152,4 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
         engine_one_array_logprobs=args.engine_one_array_logprobs,
         engine_early_decode_join=args.engine_early_decode_join,
         keep_engine=args.engine_process == "kept", warm_run=args.warm_run,
-        time_limit=args.time_limit, **length_mix(args))
+        time_limit=args.time_limit, pin_stepping=args.pin_stepping, **length_mix(args))

@@ -21,10 +21,12 @@ probe reads only the vCPU it happens to land on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -90,10 +92,15 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def quiet(seconds: float, pids: dict[str, int]) -> dict[str, Any]:
+def quiet(seconds: float, pids: dict[str, int], vcpus: list[int] | None = None,
+          sweeps: int = 5) -> dict[str, Any]:
     """Wait ``seconds`` with nothing measured, and record what the machine and the
     named processes (idle servers, a kept engine harness) still did meanwhile: a process
-    that keeps a vCPU busy after its run slows whatever runs next."""
+    that keeps a vCPU busy after its run slows whatever runs next.
+
+    With ``vcpus``, the quiet ends with ``sweeps`` sweeps of the probe over those vCPUs
+    (``vcpu_probe_ms``: each one's median), so a run's stepping thread can be set
+    against the speed of the vCPU it ran on."""
     before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
     machine, started = cpu_times(), time.monotonic()
     time.sleep(seconds)
@@ -103,9 +110,15 @@ def quiet(seconds: float, pids: dict[str, int]) -> dict[str, Any]:
         after = process_cpu_seconds(pid)
         first = before[name]
         used[name] = None if after is None or first is None else round(after - first, 3)
-    return {"seconds": round(elapsed, 3), "busy_vcpus": busy_vcpus(machine, cpu_times(),
-                                                                   elapsed),
-            "process_cpu_s": used}
+    record: dict[str, Any] = {
+        "seconds": round(elapsed, 3),
+        "busy_vcpus": busy_vcpus(machine, cpu_times(), elapsed), "process_cpu_s": used}
+    if vcpus:
+        samples = [per_cpu_seconds(cpus=vcpus) for _ in range(sweeps)]
+        record["vcpu_probe_ms"] = {
+            cpu: round(1e3 * statistics.median(s[i] for s in samples), 3)
+            for i, cpu in enumerate(vcpus)}
+    return record
 
 
 def describe_quiet(record: dict[str, Any]) -> str:
@@ -113,9 +126,12 @@ def describe_quiet(record: dict[str, Any]) -> str:
     busy = record["busy_vcpus"]
     parts = [f"{name} {'-' if v is None else f'{v:.2f}'} s"
              for name, v in record["process_cpu_s"].items()]
-    return (f"quiet {record['seconds']:.1f} s: machine "
+    line = (f"quiet {record['seconds']:.1f} s: machine "
             f"{'-' if busy is None else f'{busy:.2f}'} vCPUs busy; CPU used "
             + ", ".join(parts))
+    if probe := record.get("vcpu_probe_ms"):
+        line += "\nvCPU probe ms: " + " ".join(f"{cpu}:{ms:.2f}" for cpu, ms in probe.items())
+    return line
 
 
 class HostWatch:
@@ -148,6 +164,7 @@ class HostWatch:
             [sys.executable, "-m", "benchmarks.host", "--period", str(self._period)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             cwd=Path(__file__).parent.parent)
+        _off_pinned_vcpu(self._sampler.pid)
         # Its first sample, taken before the load begins, also says it is running: a
         # load shorter than the sampler's start-up still gets one reading.
         assert self._sampler.stdout is not None
@@ -178,6 +195,19 @@ class HostWatch:
                 "loadavg_1m": list(self._load)}
 
 
+def _off_pinned_vcpu(pid: int) -> None:
+    """A thread pinned to one vCPU (``ab --pin-stepping``) keeps its child processes
+    off it: they inherit its affinity, and the probe must not share the stepping
+    thread's vCPU in one contender only."""
+    if not hasattr(os, "sched_getaffinity"):
+        return
+    mine = os.sched_getaffinity(0)
+    rest = set(range(os.cpu_count() or 1)) - mine
+    if len(mine) == 1 and rest:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(pid, rest)
+
+
 def describe(host: dict[str, Any] | None) -> str:
     """``probe 0.93 [1.31] ms steal 0.0 %`` for a run's printed line ('' without one)."""
     if not host or host["cpu_probe_ms"]["p50"] is None:
@@ -187,8 +217,9 @@ def describe(host: dict[str, Any] | None) -> str:
     return f"probe {probe['p50']:.2f} [{probe['p90']:.2f}] ms steal {stolen}"
 
 
-def per_cpu_seconds(loops: int = PROBE_LOOPS) -> list[float]:
-    """The probe's time on every vCPU this process may use, pinned to each in turn.
+def per_cpu_seconds(loops: int = PROBE_LOOPS, cpus: list[int] | None = None) -> list[float]:
+    """The probe's time on every vCPU this process may use (or on ``cpus``), pinned to
+    each in turn.
 
     On the H200 machine each vCPU switches between two speeds about 2x apart on its own,
     within seconds, so one floating probe reads whichever vCPU it landed on; a sweep shows
@@ -197,7 +228,7 @@ def per_cpu_seconds(loops: int = PROBE_LOOPS) -> list[float]:
     allowed = sorted(os.sched_getaffinity(0))
     times = []
     try:
-        for cpu in allowed:
+        for cpu in allowed if cpus is None else cpus:
             os.sched_setaffinity(0, {cpu})
             times.append(probe_seconds(loops))
     finally:

@@ -15,6 +15,9 @@ uses more CPU for the same step, these counters tell the kinds of cost apart:
   in (an allocator that hands pages back and takes them again), or, with MLX's CUDA
   backend, the CPU touching managed memory that the GPU holds.
 - ``migrations``: how often the thread changed vCPU (``sched``), where the kernel has it.
+- ``vcpu_start`` / ``vcpu``: the vCPU it was last seen on at the start and at the end
+  (``stat``'s ``processor``): on a virtual machine whose vCPUs run at different speeds,
+  where a stepping thread sits decides its step's length (``--pin-stepping`` in ``ab``).
 
 Linux only; every reader returns None elsewhere or once the thread has gone.
 """
@@ -50,12 +53,13 @@ def read_thread(tid: int | None) -> dict[str, float] | None:
         "involuntary": int(status["nonvoluntary_ctxt_switches"]),
         "minor_faults": int(fields[7]),
         "migrations": _migrations(task),
+        "vcpu": int(fields[36]),
     }
 
 
 def stat_fields(task: str) -> list[str]:
     """A ``/proc`` task's ``stat`` fields after its command name (which may hold spaces):
-    state is field 0, minflt 7, utime 11, stime 12."""
+    state is field 0, minflt 7, utime 11, stime 12, processor 36."""
     with open(f"{task}/stat") as fh:
         return fh.read().rsplit(")", 1)[1].split()
 
@@ -80,6 +84,7 @@ def per_step(before: dict[str, float] | None, after: dict[str, float] | None,
     out: dict[str, Any] = {name: round((after[name] - before[name]) / steps, 4)
                            for name in COUNTERS if after[name] >= 0}
     out["steps"] = steps
+    out["vcpu_start"], out["vcpu"] = int(before["vcpu"]), int(after["vcpu"])
     return out
 
 
@@ -90,4 +95,13 @@ def describe(detail: dict[str, Any] | None) -> str:
     return (f"stepping/step user {detail['user_ms']:.2f} sys {detail['system_ms']:.2f} "
             f"runq {detail['runqueue_ms']:.2f} ms, vol {detail['voluntary']:.1f} "
             f"invol {detail['involuntary']:.1f} flt {detail['minor_faults']:.1f}"
-            + (f" migr {detail['migrations']:.2f}" if "migrations" in detail else ""))
+            + (f" migr {detail['migrations']:.2f}" if "migrations" in detail else "")
+            + _on_vcpu(detail))
+
+
+def _on_vcpu(detail: dict[str, Any]) -> str:
+    """`` on vCPU 5`` (`` on vCPU 5->7`` when it moved); '' for records without it."""
+    if "vcpu" not in detail:
+        return ""
+    start, end = detail["vcpu_start"], detail["vcpu"]
+    return f" on vCPU {end}" if start == end else f" on vCPU {start}->{end}"

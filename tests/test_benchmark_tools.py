@@ -181,6 +181,54 @@ def test_the_ab_runner_keeps_one_engine_process_for_every_engine_run_and_stops_i
     assert not os.path.exists(f"/proc/{pid}")  # stopped on the way out
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two vCPUs")
+def test_the_ab_runner_pins_both_stepping_threads_to_one_vcpu_and_the_rest_elsewhere(
+        tiny_model_dir, tmp_path, monkeypatch):
+
+    from benchmarks import ab
+
+    monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
+    vcpus = sorted(os.sched_getaffinity(0))
+    cpu = vcpus[-1]
+    config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(2,), rounds=1,
+                         prompt_tokens=16, output_tokens=8, requests_per_stream=1,
+                         min_requests=2, batch=BatchConfig(8, 8, 512),
+                         run_time_limit=60.0, health_probe=None, blas="reference",
+                         targets=(ab.ENGINE, ab.OURS), settle=0.05, pin_stepping=cpu,
+                         warm_run=False)
+    try:
+        report = ab.run_ab(config, None, [])
+        # The load generator (this thread) and what it started were kept off the vCPU.
+        assert os.sched_getaffinity(0) == set(vcpus) - {cpu}
+    finally:
+        os.sched_setaffinity(0, vcpus)
+    assert "error" not in report
+    assert {r["target"] for r in report["runs"]} == {ab.ENGINE, ab.OURS}
+    for run in report["runs"]:
+        detail = run["result"]["summary"]["stepping_detail"]
+        # Both stepping threads ran on the pinned vCPU from start to end of their run.
+        assert (detail["vcpu_start"], detail["vcpu"]) == (cpu, cpu), run["target"]
+        assert f"on vCPU {cpu}" in ab.format_runs([run])
+        # The quiet before it swept every vCPU with the probe.
+        probe = run["quiet_before"]["vcpu_probe_ms"]
+        assert sorted(probe) == vcpus and all(ms > 0 for ms in probe.values())
+
+
+def test_pinning_refuses_a_vcpu_the_process_may_not_use(tiny_model_dir, tmp_path,
+                                                       monkeypatch):
+    from benchmarks import ab
+
+    monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
+    outside = max(os.sched_getaffinity(0)) + 1
+    config = ab.ABConfig(model=str(tiny_model_dir), targets=(ab.ENGINE,),
+                         pin_stepping=outside)
+    with pytest.raises(ValueError, match=f"cannot pin to vCPU {outside}"):
+        ab.run_ab(config, None, [])
+    with pytest.raises(SystemExit, match="kept engine process"):
+        ab.run_ab(ab.ABConfig(model=str(tiny_model_dir), targets=(ab.ENGINE,),
+                              pin_stepping=0, isolate=True), None, [])
+
+
 def test_a_failed_engine_job_is_reported_and_the_worker_serves_the_next(tiny_model_dir,
                                                                        tmp_path):
 
