@@ -266,6 +266,53 @@ async def test_a_head_over_the_limit_sent_in_one_write_is_refused(base):
 
 
 @pytest.mark.anyio
+async def test_endless_trailer_fields_of_a_chunked_body_are_refused(base):
+    def client(sock: socket.socket) -> tuple[int, bytes]:
+        sock.sendall(b"POST /length HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                     b"\r\n5\r\nhello\r\n0\r\n")
+        sent = 0
+        while sent < 64 * 2**20:  # trailer fields that never end, till the server answers
+            if select.select([sock], [], [], 0)[0]:
+                break
+            try:
+                sock.sendall(b"X-Trailer: " + b"t" * 1000 + b"\r\n")
+            except OSError:  # reset: closed without an answer
+                break
+            sent += 1013
+        try:
+            return sent, read_until_closed(sock)
+        except ConnectionResetError:
+            return sent, b""
+
+    sent, reply = await exchange(base, client)
+    # Before, httptools' trailer fields went into the request's headers without end.
+    assert sent < 64 * 2**20, "the server took 64 MiB of trailer fields"
+    if base is HttpToolsProtocol:  # our bound: past 64 KiB, an answer that arrives
+        assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+        assert b"trailer fields are over" in reply
+    else:  # h11's own, at 16 KiB
+        assert reply == b"" or reply.startswith(b"HTTP/1.1 4"), reply[:200]
+
+
+@pytest.mark.anyio
+async def test_a_chunked_body_with_a_few_trailer_fields_is_served_without_them(base):
+    def client(sock: socket.socket) -> bytes:
+        sock.sendall(b"POST /length HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                     b"\r\n5\r\nhello\r\n3\r\nabc\r\n0\r\nX-Checksum: 1\r\n"
+                     b"X-Other: 2\r\n\r\n" + REQUEST)
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"ok"):
+            chunk = sock.recv(65536)
+            assert chunk, f"closed inside a response: {data!r}"
+            data += chunk
+        return data
+
+    reply = await exchange(base, client)
+    assert reply.split(b"\r\n\r\n")[1].startswith(b"8")  # the body's 8 bytes, read
+    assert reply.endswith(b"ok")  # and the connection serves its next request
+
+
+@pytest.mark.anyio
 async def test_a_head_under_the_limit_with_its_body_in_one_write_is_served(base):
     def client(sock: socket.socket) -> bytes:
         body = b"b" * (2 * MAX_HEAD_BYTES)  # read with the head's end: not head bytes

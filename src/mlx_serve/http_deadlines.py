@@ -28,6 +28,10 @@ And two bounds, and one repair:
   connection closed, as h11 does at 16 KiB. httptools has no limit: a head that never
   ends took hundreds of megabytes within the head deadline, and its parser's growing
   header value held the event loop for seconds at a time.
+- **trailer fields**: a chunked body's trailer section is bounded by the same
+  ``MAX_HEAD_BYTES``, and its fields are dropped (RFC 9110 lets a recipient discard
+  them). httptools hands them to uvicorn as more header fields, which appended them to
+  the request's headers without end: the body's own bound never saw them.
 - **pipelined requests**: httptools marks only the newest request of a connection
   disconnected when it is lost, so a pipelined request under way went on (holding its
   place in the batch) until it wrote to the closed transport and failed there. Every
@@ -40,8 +44,9 @@ Relies on what uvicorn's HTTP protocols (httptools and h11) both keep: ``cycle``
 current request's cycle, replaced when a request's headers are complete), the cycle's
 ``response_complete``, ``more_body``, ``disconnected`` and ``message_event``,
 ``transport`` and ``loop``, and the transport's ``pause_writing``/``resume_writing``
-calls; httptools' ``on_headers_complete`` callback; the methods are checked when the
-class is made.
+calls; httptools' ``on_message_begin``, ``on_header`` and ``on_headers_complete``
+callbacks (h11 calls none of them: it bounds trailers itself, at 16 KiB); the methods
+are checked when the class is made.
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ else:
     _SEND_QUEUE = None
 _HEAD_TOO_LARGE = json.dumps(RequestError(
     f"the request head is over {MAX_HEAD_BYTES} bytes",
+    code="request_header_fields_too_large").to_dict()).encode()
+_TRAILERS_TOO_LARGE = json.dumps(RequestError(
+    f"the request's trailer fields are over {MAX_HEAD_BYTES} bytes",
     code="request_header_fields_too_large").to_dict()).encode()
 
 
@@ -116,6 +124,8 @@ class DeadlinesMixin:
         self._unsent = 0  # the unsent reply's size when the send deadline was set
         self._head_bytes = 0  # of the head under way
         self._refused = False
+        self._in_head = True  # httptools' header fields are the head's, not trailers
+        self._trailer_bytes = 0
         self._unanswered: list[Any] = []  # this connection's request cycles
         super().connection_made(transport)  # type: ignore[misc]
         self._arm_head()
@@ -144,9 +154,32 @@ class DeadlinesMixin:
         elif self._between_requests() and self._head_timer is None:
             self._arm_head()  # the first bytes of a next request's head
 
+    def on_message_begin(self) -> None:
+        """httptools' callback, as each request's head begins."""
+        self._in_head, self._trailer_bytes = True, 0
+        super().on_message_begin()  # type: ignore[misc]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """httptools' callback for a field of the head, or, after a chunked body, of its
+        trailer section: those are counted, bounded and dropped."""
+        if self._in_head:
+            super().on_header(name, value)  # type: ignore[misc]
+            return
+        self._trailer_bytes += len(name) + len(value) + 4
+        if self._trailer_bytes <= MAX_HEAD_BYTES or self._refused:
+            return
+        cycle = self.cycle
+        answer = cycle is None or not cycle.response_started
+        if cycle is not None:  # its handler sees its client gone; its writes go nowhere
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._refuse(f"its request's trailer fields passed {MAX_HEAD_BYTES} bytes",
+                     _TRAILERS_TOO_LARGE, answer)
+
     def on_headers_complete(self) -> None:
         """httptools' callback, for each head of a pipelined write (h11 has none: it
         reads a next request only once the one before is answered)."""
+        self._in_head = False
         super().on_headers_complete()  # type: ignore[misc]
         self._track(self.cycle)
 
@@ -201,15 +234,20 @@ class DeadlinesMixin:
         self.transport.abort()  # close() would wait to flush what the client won't take
 
     def _refuse_head(self) -> None:
+        self._refuse(f"its request head passed {MAX_HEAD_BYTES} bytes", _HEAD_TOO_LARGE)
+
+    def _refuse(self, why: str, body: bytes, answer: bool = True) -> None:
+        """Answer 431 (unless a response has begun), take nothing more, close."""
         self._refused = True
         self._head_timer = _cancelled(self._head_timer)
-        log.warning("closed a connection from %s: its request head passed %d bytes",
-                    _peer(self.transport), MAX_HEAD_BYTES)
+        log.warning("closed a connection from %s: %s", _peer(self.transport), why)
+        if not answer:
+            self.transport.abort()
+            return
         self.transport.write(
             b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
             b"content-type: application/json\r\nconnection: close\r\n"
-            b"content-length: " + str(len(_HEAD_TOO_LARGE)).encode() + b"\r\n\r\n"
-            + _HEAD_TOO_LARGE)
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         # Closed with the client's bytes unread, the socket would be reset, and the reset
         # can overtake the answer: end the writing side, drop what still comes (a second
         # at most), then close.
