@@ -357,6 +357,25 @@ def test_penalties_are_accepted_and_change_the_output(client):
     assert changed, "no penalty changed the greedy output"
 
 
+def test_each_penalty_looks_back_over_its_context_size(client):
+    # mlx-lm's fields: how many recent tokens a penalty sees (64 by default here, 20 in
+    # mlx_lm.server). Before, they were ignored with a warning while changing nothing.
+    common: dict[str, Any] = {"model": MODEL, "prompt": "the the the the the the",
+                              "max_tokens": 32, "temperature": 0, "logit_bias": NO_EOS}
+    for penalty, value in (("repetition", 2.0), ("presence", 2.0), ("frequency", 2.0)):
+        texts = {}
+        for size in (None, 64, 1):
+            extra = {f"{penalty}_penalty": value}
+            if size is not None:
+                extra[f"{penalty}_context_size"] = size
+            texts[size] = client.completions.create(**common, extra_body=extra).choices[0].text
+        assert texts[None] == texts[64], penalty  # the default, said aloud
+        assert texts[1] != texts[64], penalty  # one token back penalises less
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**common, extra_body={"repetition_context_size": 0})
+    assert caught.value.body["param"] == "repetition_context_size"
+
+
 def test_top_k_top_p_min_p_are_accepted_and_honoured(client):
     # Each of these, set to its most restrictive value, leaves only the most likely token:
     # temperature-1 sampling must then reproduce the greedy (temperature-0) output.

@@ -13,6 +13,10 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
 
 
+# Presence/frequency/repetition penalties look at this many recent tokens by default.
+PENALTY_CONTEXT = 64
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int
@@ -25,6 +29,10 @@ class SamplingParams:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # How many recent tokens each penalty looks at (mlx-lm's fields; its server's 20).
+    repetition_context_size: int = PENALTY_CONTEXT
+    presence_context_size: int = PENALTY_CONTEXT
+    frequency_context_size: int = PENALTY_CONTEXT
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # end-of-sequence tokens do not end the reply

@@ -37,6 +37,9 @@ UNSUPPORTED_FIELDS = frozenset({
 # audio reply by its id, and the function call of OpenAI's deprecated functions API.
 MESSAGE_UNSUPPORTED = frozenset({"audio", "function_call"})
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_PENALTY_CONTEXT = 2**20  # tokens a penalty may look back over: more than any context
+PENALTY_CONTEXT_FIELDS = ("repetition_context_size", "presence_context_size",
+                          "frequency_context_size")
 # Template arguments a client may pass through ``chat_template_kwargs``. ``tokenize`` and
 # friends are ours to decide; anything unknown would be silently meaningless.
 CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort",
@@ -80,6 +83,10 @@ class _Request(NullsTakeDefaults):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    # mlx-lm's: how many recent tokens each penalty looks at (64 by default here).
+    repetition_context_size: Annotated[int, Field(ge=1, le=MAX_PENALTY_CONTEXT)] | None = None
+    presence_context_size: Annotated[int, Field(ge=1, le=MAX_PENALTY_CONTEXT)] | None = None
+    frequency_context_size: Annotated[int, Field(ge=1, le=MAX_PENALTY_CONTEXT)] | None = None
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     user: str | None = None

@@ -24,6 +24,7 @@ from mlx_serve.prompts import Rendered, render_chat, with_allowed_tools
 from mlx_serve.protocol import (
     ACCEPTED_NO_EFFECT,
     MESSAGE_UNSUPPORTED,
+    PENALTY_CONTEXT_FIELDS,
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -158,6 +159,8 @@ def sampling_params(
         repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
+        **{field: value for field in PENALTY_CONTEXT_FIELDS
+           if (value := getattr(body, field)) is not None},
         logit_bias=tuple(sorted((body.logit_bias or {}).items())),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,

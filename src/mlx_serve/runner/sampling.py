@@ -25,10 +25,6 @@ from mlx_serve.generation import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 
-# Presence/frequency/repetition penalties look at this many recent tokens (mlx-lm's unit).
-PENALTY_CONTEXT = 64
-
-
 @lru_cache(maxsize=256)
 def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
     return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
@@ -93,11 +89,11 @@ def make_request_processors(params: SamplingParams, prompt_len: int = 0,
     processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty,
-        repetition_context_size=PENALTY_CONTEXT,
+        repetition_context_size=params.repetition_context_size,
         presence_penalty=params.presence_penalty,
-        presence_context_size=PENALTY_CONTEXT,
+        presence_context_size=params.presence_context_size,
         frequency_penalty=params.frequency_penalty,
-        frequency_context_size=PENALTY_CONTEXT,
+        frequency_context_size=params.frequency_context_size,
     )
     if params.min_tokens:
         processors.append(MinTokensProcessor(prompt_len, params.min_tokens, end_ids))
