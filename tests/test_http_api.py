@@ -420,6 +420,23 @@ def test_models_lists_exactly_the_served_model(client, server):
     assert raw["data"][0]["max_model_len"] == context > 0
 
 
+def test_the_openai_paths_answer_without_v1_too(server):
+    # As llama.cpp's server and mlx_lm.server: a client whose base URL lacks /v1 works.
+    sdk = openai.OpenAI(base_url=server.base_url, api_key="x", timeout=TIMEOUT)
+    chat = sdk.chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
+                                       temperature=0, logit_bias=NO_EOS)
+    assert chat.usage.completion_tokens == 3 and chat.choices[0].message.content
+    text = sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0,
+                                  logit_bias=NO_EOS)
+    assert text.usage.completion_tokens == 2
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+    response = sdk.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+    assert sdk.responses.retrieve(response.id).id == response.id
+    stored = httpx.get(f"{server.base_url}/v1/responses/{response.id}", timeout=5)
+    assert stored.json()["id"] == response.id  # one store behind both paths
+    assert httpx.get(server.base_url + "/chat/completions", timeout=5).status_code == 405
+
+
 def test_version_names_the_server_and_its_mlx(server):
     from importlib.metadata import version
 

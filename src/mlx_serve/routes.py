@@ -283,7 +283,7 @@ async def live(request: Request) -> Response:
                         status_code=200 if ok else 503)
 
 
-ROUTES = [
+OPENAI_ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
@@ -291,6 +291,13 @@ ROUTES = [
     Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+]
+ROUTES = [
+    *OPENAI_ROUTES,
+    # The same without /v1, as llama.cpp's server and mlx_lm.server answer them: clients
+    # set up with a base URL that lacks it keep working.
+    *(Route(route.path.removeprefix("/v1"), route.endpoint, methods=route.methods)
+      for route in OPENAI_ROUTES),
     Route("/version", version, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/live", live, methods=["GET"]),
