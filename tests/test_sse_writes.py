@@ -107,15 +107,22 @@ async def test_a_failure_ends_the_stream_with_its_error_then_done():
     assert stream.bodies[-1] == (DONE, False)
 
 
-def test_legacy_top_logprobs_keep_the_likeliest_of_one_text_and_the_chosen_token():
-    """Keys are texts: byte pieces of different characters all read U+FFFD. The entry of
-    a text is its likeliest token's; the chosen token is there beside the k likeliest."""
+def test_legacy_top_logprobs_keep_byte_pieces_apart_and_the_chosen_token():
+    """Keys are texts, and byte pieces of different characters all read U+FFFD: those
+    are keyed by their bytes, as OpenAI writes them (``bytes:\\xe2``), in ``tokens`` too.
+    Of tokens that still share a text, the entry is the likeliest's; the chosen token is
+    there beside the k likeliest."""
     bad = "\ufffd"
     shape = ReplyShape(chat=False, model="m", prompt_tokens=3, logprobs=2)
     choice = Choice(0)
     items = [TokenLogprob(bad, (0xE2,), -3.73, ((bad, (0xE2,), -3.73), (bad, (0xF0,), -3.88))),
-             TokenLogprob("x", (120,), -5.0, (("a", (97,), -1.0), ("b", (98,), -2.0)))]
+             TokenLogprob("x", (120,), -5.0, (("a", (97,), -1.0), ("a", (97,), -2.0))),
+             TokenLogprob(bad, (0xEF, 0xBF, 0xBD), -1.0, ((bad, (0xEF, 0xBF, 0xBD), -1.0),))]
     shape.absorb(choice, Delta("", 1, logprobs=(items[0],)))
-    shape.absorb(choice, Delta("x", 1, FinishReason.LENGTH, logprobs=(items[1],)))
+    shape.absorb(choice, Delta("x", 1, logprobs=(items[1],)))
+    shape.absorb(choice, Delta(bad, 1, FinishReason.LENGTH, logprobs=(items[2],)))
     lp = shape.completion([choice])["choices"][0]["logprobs"]
-    assert lp["top_logprobs"] == [{bad: -3.73}, {"a": -1.0, "b": -2.0, "x": -5.0}]
+    assert lp["top_logprobs"] == [{"bytes:\\xe2": -3.73, "bytes:\\xf0": -3.88},
+                                  {"a": -1.0, "x": -5.0}, {bad: -1.0}]
+    # Before, both pieces were keyed U+FFFD: one entry where two were asked for.
+    assert lp["tokens"] == ["bytes:\\xe2", "x", bad]  # a real U+FFFD stays itself

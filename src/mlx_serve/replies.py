@@ -16,13 +16,26 @@ from mlx_serve.text_offsets import TextOffsets, prompt_offsets
 from mlx_serve.tool_calls import CallUpdate, ToolCallStream
 
 
+def legacy_token(text: str, raw: tuple[int, ...]) -> str:
+    """A token as OpenAI's legacy logprobs write it: its text, or, for a piece of a
+    character (no whole UTF-8 alone, its text U+FFFD), its bytes as ``bytes:\\xe2\\x80``,
+    so that different pieces keep different keys in ``top_logprobs``."""
+    if "\ufffd" not in text:
+        return text
+    try:
+        bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
 def _text_keyed(chosen: TokenLogprob, k: int) -> dict[str, float]:
     """The legacy ``top_logprobs`` entry: the ``k`` likeliest and the chosen token, by
-    text; of tokens with one text (byte pieces all read as U+FFFD) the likeliest's."""
+    text (``legacy_token``); of tokens with one text the likeliest's."""
     top: dict[str, float] = {}
-    for text, _, value in chosen.top[:k]:  # likeliest first
-        top.setdefault(text, value)
-    top.setdefault(chosen.token, chosen.logprob)
+    for text, raw, value in chosen.top[:k]:  # likeliest first
+        top.setdefault(legacy_token(text, raw), value)
+    top.setdefault(legacy_token(chosen.token, chosen.bytes), chosen.logprob)
     return top
 
 
@@ -181,13 +194,13 @@ class ReplyShape:
         tops: list[dict[str, float] | None] = []
         text_offset: list[int] = []
         if prompt is not None:
-            tokens.append(prompt.first_token)
+            tokens.append(legacy_token(prompt.first_token, prompt.first_bytes))
             values.append(None)
             tops.append(None)
             first = TokenLogprob(prompt.first_token, prompt.first_bytes, 0.0)
             text_offset = prompt_offsets(first, prompt.scored, echo)
             items = [*prompt.scored, *items]
-        tokens += [t.token for t in items]
+        tokens += [legacy_token(t.token, t.bytes) for t in items]
         values += [t.logprob for t in items]
         # The prompt may have been scored with more alternatives (for prompt_logprobs).
         # The chosen token is always among them, as OpenAI's legacy API promises ("up to

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Any, cast
 
@@ -28,6 +29,7 @@ def _byte_decoder() -> dict[str, int]:
 # JSON has no -Infinity: a token that a mask or penalty ruled out (log-probability -inf)
 # is reported with this floor instead, as vLLM does. NaN gets it too.
 LOGPROB_FLOOR = -9999.0
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def finite(value: float) -> float:
@@ -55,6 +57,8 @@ class TokenTexts:
             raw = bytes(decoder[c] for c in piece)  # byte-level BPE: exact bytes
             if "\ufffd" in text or raw.decode("utf-8", "replace") == text:
                 return text, tuple(raw)
+        if isinstance(piece, str) and (byte := _BYTE_FALLBACK.fullmatch(piece)):
+            return text, (int(byte[1], 16),)  # SentencePiece's byte fallback: <0xE2>
         return text, tuple(text.encode("utf-8"))
 
 
