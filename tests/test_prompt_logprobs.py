@@ -415,3 +415,22 @@ def test_vllm_prompt_logprobs_are_not_streamed(http):
     reply = http.post("/v1/completions", json={"prompt": "hi", "stream": True,
                                                "prompt_logprobs": 1})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_a_token_reports_its_own_bytes_also_as_a_sentencepiece_byte_fallback():
+    from mlx_serve.runner.logprobs import TokenTexts
+
+    class SentencePieceLike:  # byte-fallback tokens are pieces named <0xNN>
+        pieces = {0: "<0xE2>", 1: "<0xF0>", 2: "▁sea", 3: "<0x41>"}
+        texts = {0: "\ufffd", 1: "\ufffd", 2: " sea", 3: "A"}
+
+        def decode(self, ids):
+            return self.texts[ids[0]]
+
+        def convert_ids_to_tokens(self, token):
+            return self.pieces[token]
+
+    texts = TokenTexts(SentencePieceLike())
+    # Before, both pieces reported the bytes of U+FFFD, as their text reads.
+    assert texts(0) == ("\ufffd", (0xE2,)) and texts(1) == ("\ufffd", (0xF0,))
+    assert texts(2) == (" sea", tuple(b" sea")) and texts(3) == ("A", (0x41,))

@@ -53,12 +53,13 @@ class TokenTexts:
         text = self._tokenizer.decode([token])
         piece = self._tokenizer.convert_ids_to_tokens(token)
         decoder = _byte_decoder()
+        if isinstance(piece, str) and piece != text and (
+                byte := _BYTE_FALLBACK.fullmatch(piece)):
+            return text, (int(byte[1], 16),)  # SentencePiece's byte fallback: <0xE2>
         if isinstance(piece, str) and piece and all(c in decoder for c in piece):
             raw = bytes(decoder[c] for c in piece)  # byte-level BPE: exact bytes
             if "\ufffd" in text or raw.decode("utf-8", "replace") == text:
                 return text, tuple(raw)
-        if isinstance(piece, str) and (byte := _BYTE_FALLBACK.fullmatch(piece)):
-            return text, (int(byte[1], 16),)  # SentencePiece's byte fallback: <0xE2>
         return text, tuple(text.encode("utf-8"))
 
 
