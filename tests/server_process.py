@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -21,7 +22,9 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: Path | str | None, log_path: Path, *, env: dict[str, str] | None
-                 = None, args: list[str] | None = None) -> None:
+                 = None, args: list[str] | None = None,
+                 open_files: tuple[int, int] | None = None) -> None:
+        """``open_files``: the (soft, hard) limit on open files the server starts with."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -32,8 +35,10 @@ class ServerProcess:
         cmd += args or []
         full_env = {**os.environ, **(env or {})}
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=full_env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+            preexec_fn=None if open_files is None else lambda: resource.setrlimit(
+                resource.RLIMIT_NOFILE, open_files))
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Poll /health until 200, the process exits, or ``timeout`` passes."""

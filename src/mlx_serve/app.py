@@ -29,6 +29,7 @@ from mlx_serve.engine_setup import (
     warm_structured_output,
 )
 from mlx_serve.failpoints import FailPoints
+from mlx_serve.file_limit import raise_open_files_limit
 from mlx_serve.http_errors import EXCEPTION_HANDLERS
 from mlx_serve.http_stack import log_http_stack, log_interpreter_lock
 from mlx_serve.metrics import ServerMetrics
@@ -107,6 +108,7 @@ async def drain_engine(engine: Engine | RemoteEngine, timeout: float) -> bool:
 def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     failpoints = FailPoints.from_spec(settings.failpoints)
+    raise_open_files_limit()  # every connection is a file
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
