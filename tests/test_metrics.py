@@ -148,3 +148,36 @@ def test_openmetrics_on_request(server):
     assert response.headers["content-type"].startswith("application/openmetrics-text")
     assert response.text.endswith("# EOF\n")
     assert 'mlx_serve_engine_state{state="ready"} 1.0' in response.text
+
+
+def test_requests_that_fail_count_their_time_and_tokens_as_every_other_ending(
+        tiny_model_dir: Path, tmp_path: Path):
+    # Admission fails for user "bad"; the steps of user "late" fail after a few have run
+    # (the batch is rebuilt without that request, which fails alone).
+    spec = ("engine.admit[user=bad]=raise(ValueError:cannot admit);"
+            "engine.step[user=late]=4*off->raise(RuntimeError:step fault)")
+    with ServerProcess(tiny_model_dir, tmp_path / "server.log",
+                       env={"MLX_SERVE_FAILPOINTS": spec}) as server:
+        before = scrape(server)
+        with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as http:
+            common = {"model": MODEL, "prompt": "count", "max_tokens": 50,
+                      "logit_bias": NO_EOS}
+            for user, stream in (("bad", False), ("bad", True), ("late", False)):
+                failed = http.post("/v1/completions", json={**common, "user": user,
+                                                            "stream": stream})
+                assert failed.status_code >= 400, (user, stream, failed.text)
+        after = scrape(server)
+
+        def grew(name: str) -> float:
+            return value(after, name) - value(before, name)
+
+        # Before, a failure that became the HTTP response was counted as an error only.
+        assert grew("mlx_serve_e2e_request_latency_seconds_count") == 3
+        errors = sum(v - value(before, n, **dict(labels)) for (n, labels), v in after.items()
+                     if n == "mlx_serve_request_errors_total")
+        assert errors == 3
+        prompt = len(Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+                     .encode("count").ids)
+        assert grew("mlx_serve_prompt_tokens_total") == 3 * prompt
+        # The late one's tokens, made in the steps before its own failed (4 ran).
+        assert grew("mlx_serve_generation_tokens_total") >= 3

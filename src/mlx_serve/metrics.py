@@ -150,10 +150,8 @@ class RequestTracker:
         generated in all; ``error_status``: the status of an error the reply carried."""
         if self._ended:
             return
-        self._ended = True
-        m, now = self._metrics, time.monotonic()
-        m.prompt_tokens.inc(self._prompt_tokens)
-        m.generation_tokens.inc(tokens)
+        now = self._observe(tokens)
+        m = self._metrics
         unfinished = False
         for finish in finishes:
             if finish is None:
@@ -164,8 +162,22 @@ class RequestTracker:
             m.error(error_status)
         elif unfinished:
             m.aborted.inc()
-        m.e2e.observe(now - self._start)
         if self._first is not None and error_status is None:
             m.ttft.observe(self._first - self._start)
             if tokens > 1:
                 m.tpot.observe((now - self._first) / (tokens - 1))
+
+    def failed(self, tokens: int = 0) -> None:
+        """A failure that becomes the request's HTTP error (counted as an error where the
+        response is made): its time and its tokens, as every other ending's."""
+        if not self._ended:
+            self._observe(tokens)
+
+    def _observe(self, tokens: int) -> float:
+        """What every ending adds, once: tokens and time from arrival; returns now."""
+        self._ended = True
+        m, now = self._metrics, time.monotonic()
+        m.prompt_tokens.inc(self._prompt_tokens)
+        m.generation_tokens.inc(tokens)
+        m.e2e.observe(now - self._start)
+        return now

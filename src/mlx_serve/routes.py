@@ -107,7 +107,7 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
                                  wake_every=interval if body.stream else None)
     choices = len(prepared.requests)
     if body.stream:
-        await fail_fast(handle, request, state.settings.sse_ping_seconds)
+        await fail_fast(handle, request, state.settings.sse_ping_seconds, tracker)
         return SSEResponse(sse_events(handle, shape, choices, state.failpoints, body.user,
                                       state.settings.sse_ping_seconds,
                                       merge_text=interval > 1, tracker=tracker))
@@ -211,7 +211,7 @@ async def responses(request: Request) -> Response:
 
     handle = state.engine.submit(*prepared.requests, wake_every=1 if body.stream else None)
     if body.stream:
-        await fail_fast(handle, request, state.settings.sse_ping_seconds)
+        await fail_fast(handle, request, state.settings.sse_ping_seconds, tracker)
         return SSEResponse(response_events(handle, shape, builder,
                                            state.settings.sse_ping_seconds, tracker, store))
     choice = Choice(0)

@@ -251,9 +251,9 @@ async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, reques
     """Wait for a whole reply's choices; a client that disconnects meanwhile cancels the
     request.
 
-    A failure is raised (its HTTP error is counted where it becomes a response);
-    ``tracker`` hears of every other ending. ``into``: the choices to fill (fresh ones
-    by default)."""
+    A failure is raised (its HTTP error is counted where it becomes a response;
+    ``tracker`` counts its time and tokens); ``tracker`` hears of every other ending.
+    ``into``: the choices to fill (fresh ones by default)."""
     state = into if into is not None else [Choice(i) for i in range(choices)]
     failure: MLXServeError | None = None
     async with handle, anyio.create_task_group() as tg:
@@ -270,12 +270,15 @@ async def collect(handle: RequestHandle, shape: ReplyShape, choices: int, reques
                     shape.absorb(state[event.index], event)
         tg.cancel_scope.cancel()
     if failure is not None:
+        if tracker is not None:
+            tracker.failed(sum(c.tokens for c in state))
         raise failure  # outside the task group, so it is not wrapped in a group
     tell_tracker(tracker, state, None)
     return state
 
 
-async def fail_fast(handle: RequestHandle, request: Request, window: float) -> None:
+async def fail_fast(handle: RequestHandle, request: Request, window: float,
+                    tracker: RequestTracker | None = None) -> None:
     """Before a stream starts, wait up to ``window`` for its first event.
 
     A request that fails before any output (admission faults show up within a step)
@@ -290,6 +293,8 @@ async def fail_fast(handle: RequestHandle, request: Request, window: float) -> N
         tg.cancel_scope.cancel()
     if isinstance(first, Failure):
         handle.close()
+        if tracker is not None:
+            tracker.failed()
         raise first.error
 
 
