@@ -47,7 +47,7 @@ async def test_a_format_fault_fails_its_request_alone(tiny_model_dir):
     for bad in results[:3]:
         assert isinstance(bad.error, RequestError) and bad.error.status_code == 400
         assert bad.error.param == "response_format"
-        assert "cannot be satisfied" in str(bad.error)
+        assert "cannot go on under 'response_format'" in str(bad.error)
     assert [r.error for r in results[3:]] == [None] * 6
     assert [r.text for r in results[3:]] == expected
     assert stats.recoveries == 0 and stats.isolated == 0

@@ -76,6 +76,19 @@ def test_a_format_that_fails_mid_reply_ends_that_reply_alone(tiny_server):
     assert httpx.get(tiny_server.base_url + "/health", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+def test_a_constraint_that_fails_mid_reply_names_its_own_field(tiny_server, field):
+    # Before, every such fault named response_format and asked about $ref cycles.
+    body = ({"guided_json": DEEP_CYCLE} if field == "guided_json"
+            else {"structured_outputs": {"json": DEEP_CYCLE}})
+    reply = chat(tiny_server, **body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    param = "guided_json" if field == "guided_json" else "structured_outputs.json"
+    assert error["param"] == param
+    assert f"cannot go on under '{param}'" in error["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_honour_response_format_as_vllm_does(tiny_server, stream):
     """Not in OpenAI's legacy completions, but vLLM takes it there: the text validates."""

@@ -75,6 +75,7 @@ class OutputOptions:
     # A compiled response format (runner.structured.CompiledFormat): it does change the
     # sampled tokens, but only the runner knows how to apply it.
     response_format: object | None = None
+    format_param: str = "response_format"  # the request field the format came from
 
 
 @dataclass(frozen=True, slots=True)

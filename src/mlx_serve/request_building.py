@@ -182,14 +182,15 @@ def choices(request_id: str, prompt: list[int], params: SamplingParams, n: int, 
 
 async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner: Any,
                          forced_call: dict | None = None, calls: dict | None = None,
-                         reasoning: dict | None = None) -> object | None:
+                         reasoning: dict | None = None) -> tuple[object | None, str]:
     """The one constraint on a request's reply, compiled: a forced tool call's schema,
     ``response_format`` or vLLM's structured-output fields. Two at once are a 400, and
     so is one with ``ignore_eos`` or ``min_tokens`` (a format ends its reply with an
     end-of-sequence token, when its grammar does). ``calls`` (``strict_calls.json_calls``)
     keeps tool calls possible beside a JSON ``response_format`` and holds strict
     functions' calls to their schemas. ``reasoning`` (``_reasoning_markers``): the
-    reply's reasoning span, which a format leaves free."""
+    reply's reasoning span, which a format leaves free. With the compiled format comes the
+    request field it came from, for a fault mid-reply to name."""
     asked: list[tuple[str, dict]] = []
     if forced_call is not None:
         asked.append(("tool_choice", {"type": "json_schema", "json_schema": {  # the tools'
@@ -216,10 +217,11 @@ async def compile_format(body: ChatCompletionRequest | CompletionRequest, runner
     return await _compiled(runner, spec)
 
 
-async def _compiled(runner: Any, spec: dict | None) -> object | None:
+async def _compiled(runner: Any, spec: dict | None) -> tuple[object | None, str]:
     if spec is None:
-        return None
-    return await anyio.to_thread.run_sync(runner.compile_response_format, spec)
+        return None, "response_format"
+    return (await anyio.to_thread.run_sync(runner.compile_response_format, spec),
+            str(spec.get("param", "response_format")))
 
 
 def _reasoning_markers(tokenizer: Any, rendered: Rendered) -> dict | None:
@@ -255,8 +257,9 @@ async def build_chat_request(
     rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer,
                                       runner.encode, body)
     calls = _held_calls(body, rendered, runner.tokenizer)
-    response_format = await compile_format(body, runner, rendered.forced_call, calls,
-                                           _reasoning_markers(runner.tokenizer, rendered))
+    response_format, format_param = await compile_format(
+        body, runner, rendered.forced_call, calls,
+        _reasoning_markers(runner.tokenizer, rendered))
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
                              len(rendered.tokens), runner, settings)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -267,7 +270,7 @@ async def build_chat_request(
                            keep_leading_space=body.continue_final_message,
                            one_tool_call=body.parallel_tool_calls is False,
                            skip_special_tokens=body.skip_special_tokens,
-                           response_format=response_format,
+                           response_format=response_format, format_param=format_param,
                            prompt_logprobs=body.prompt_logprobs,
                            prompt_ranks=body.prompt_logprobs is not None)
     reqs = choices(request_id, rendered.tokens, params, body.n, 0, body.user, output)
@@ -355,9 +358,10 @@ async def build_completion_request(
     asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs)
              if k is not None]
     prompt_only = _prompt_only(body)
+    response_format, format_param = await compile_format(body, runner)
     output = OutputOptions(logprobs=body.logprobs, keep_leading_space=True,
                            skip_special_tokens=body.skip_special_tokens,
-                           response_format=await compile_format(body, runner),
+                           response_format=response_format, format_param=format_param,
                            prompt_logprobs=max(asked) if asked else None,
                            prompt_ranks=body.prompt_logprobs is not None,
                            prompt_only=prompt_only)

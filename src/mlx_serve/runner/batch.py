@@ -333,7 +333,8 @@ class Runner:
         if fmt is not None:  # a fresh matcher, fast-forwarded over what was generated
             matcher = fmt.make_processor_at(  # type: ignore[attr-defined]
                 len(live.request.prompt_tokens), live.generated)
-            processors.append(self._format_faults.guard(live.request.request_id, matcher))
+            processors.append(self._format_faults.guard(
+                live.request.request_id, matcher, live.request.output.format_param))
         (uid,) = self._batch.insert(
             [rest],
             max_tokens=[live.remaining],

@@ -19,23 +19,28 @@ __all__ = ["FormatFault", "FormatFaults", "GuardedFormat"]
 
 
 class FormatFault(RequestError):
-    """The response format admits no continuation of what the reply holds so far."""
+    """The request's format (named by ``param``, the field it came from) admits no
+    continuation of what the reply holds so far."""
 
-    def __init__(self, reason: Exception) -> None:
-        super().__init__(f"the response format cannot be satisfied here (is there a $ref "
-                         f"cycle without a way out?): {reason}", param="response_format")
+    def __init__(self, reason: Exception, param: str = "response_format") -> None:
+        super().__init__(
+            f"the reply cannot go on under '{param}': {reason} (a JSON schema's $ref cycle "
+            "without a way out, a constraint larger than the grammar engine takes, or text "
+            "this model's tokens cannot spell ends a reply here)", param=param)
 
 
 class GuardedFormat:
     """Wraps one request's format processor; on its first fault, reports it once through
     ``on_fault`` and from then on leaves the logits alone."""
 
-    __slots__ = ("_inner", "_on_fault", "fault")
+    __slots__ = ("_inner", "_on_fault", "_param", "fault")
 
     def __init__(self, inner: Callable[[Any, Any], Any],
-                 on_fault: Callable[[FormatFault], None]) -> None:
+                 on_fault: Callable[[FormatFault], None], param: str = "response_format"
+                 ) -> None:
         self._inner = inner
         self._on_fault = on_fault
+        self._param = param
         self.fault: FormatFault | None = None
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
@@ -44,7 +49,7 @@ class GuardedFormat:
         try:
             return self._inner(tokens, logits)
         except Exception as exc:  # the grammar's fault, not the batch's
-            self.fault = FormatFault(exc)
+            self.fault = FormatFault(exc, self._param)
             self._on_fault(self.fault)
             return logits
 
@@ -57,11 +62,12 @@ class FormatFaults:
     def __init__(self) -> None:
         self._faults: dict[str, FormatFault] = {}
 
-    def guard(self, request_id: str, processor: Callable[[Any, Any], Any]) -> GuardedFormat:
+    def guard(self, request_id: str, processor: Callable[[Any, Any], Any],
+              param: str = "response_format") -> GuardedFormat:
         def record(fault: FormatFault) -> None:
             self._faults.setdefault(request_id, fault)
 
-        return GuardedFormat(processor, record)
+        return GuardedFormat(processor, record, param)
 
     def take(self) -> dict[str, FormatFault]:
         faults, self._faults = self._faults, {}
