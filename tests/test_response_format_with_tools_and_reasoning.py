@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mlx_serve.prompts import Rendered
-from mlx_serve.request_building import _reasoning_markers
+from mlx_serve.reply_constraint import reasoning_markers
 from mlx_serve.runner.formats import compile_format
 from tests.test_agentic import chat
 from tests.test_strict_tool_calls import (
@@ -107,7 +107,7 @@ def test_with_thinking_off_the_format_applies_from_the_first_token(agentic_serve
 ])
 def test_where_a_format_leaves_reasoning_free(agentic_tokenizer, initial, thinking_off, kind):
     rendered = Rendered([1], None, True, initial, thinking_off=thinking_off)
-    markers = _reasoning_markers(agentic_tokenizer, rendered)
+    markers = reasoning_markers(agentic_tokenizer, rendered)
     assert (markers and markers["type"]) == kind
 
 
