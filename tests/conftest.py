@@ -11,9 +11,14 @@ import pytest
 
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.failpoints import FailPoints
+from mlx_serve.file_limit import import_mlx_lm
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.tiny_model import build_tiny_model
 from tests.server_process import ServerProcess
+
+# Before any test module imports mlx-lm (which would set this process's open-files limit
+# to 2,048, hard 4,096): the tests keep the limits the machine gave.
+import_mlx_lm()
 
 
 @pytest.fixture
