@@ -32,7 +32,7 @@ from mlx_serve.engine_state import (
 from mlx_serve.engine_step import EngineStep
 from mlx_serve.errors import (
     EngineDeadError,
-    GenerationError,
+    IsolatedRequestError,
     MLXServeError,
     StepTimeoutError,
     as_request_error,
@@ -368,7 +368,7 @@ class Engine:
             )
         for rid in decision.isolate:
             self._counts["isolated"] += 1
-            self._finish(rid, Failure(GenerationError(f"generation failed: {error}")))
+            self._finish(rid, Failure(IsolatedRequestError(f"generation failed: {error}")))
         if decision.self_test:
             log.warning("requests keep failing alone; testing the engine outside the batch")
             try:

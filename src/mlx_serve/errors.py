@@ -27,6 +27,9 @@ class MLXServeError(Exception):
     error_type: str = "server_error"
     code: str | None = None
     retry_after: int | None = None
+    # False: the same request would fail the same way, so clients should not resend it
+    # (``x-should-retry: false``, which the OpenAI SDKs honour over their own retries).
+    should_retry: bool | None = None
     # Refused with the body unread: the connection cannot carry another request.
     closes_connection: bool = False
 
@@ -119,6 +122,14 @@ class ShuttingDownError(EngineUnavailableError):
 
 class GenerationError(MLXServeError):
     code = "generation_failed"
+
+
+class IsolatedRequestError(GenerationError):
+    """Steps failed while this request was in them, and alone too: the request is the
+    cause, so a resend would fail the same way, and enough of them in a row would make
+    the engine give up on itself (recovery.py)."""
+
+    should_retry = False
 
 
 class StepTimeoutError(MLXServeError):

@@ -24,6 +24,8 @@ def error_response(request: Request, exc: MLXServeError,
         headers["WWW-Authenticate"] = "Bearer"
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
+    if exc.should_retry is not None:
+        headers["x-should-retry"] = "true" if exc.should_retry else "false"
     if exc.closes_connection:
         headers["Connection"] = "close"
     return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=headers)

@@ -32,6 +32,7 @@ from tests.faults.server_watch import (
     set_failpoint,
     wait_for_requests,
 )
+from tests.http_helpers import wait_health
 
 pytestmark = pytest.mark.anyio
 
@@ -175,3 +176,25 @@ async def test_a_request_that_cannot_be_admitted_fails_alone(launch, reference, 
         assert stats["recoveries"] == 0 and stats["isolated"] == 0, stats
     await assert_serves(server, reference, model_name)
     assert_log_clean(server, allowed=["cannot admit"])
+
+
+async def test_an_isolated_request_is_not_resent_by_the_openai_sdk(launch, model_name):
+    """The SDK resends a 5xx (twice by default) unless told not to; a request the server
+    isolated would fail the same way, and a run of such failures with no good step
+    between makes the engine give up on itself. Its 500 says ``x-should-retry: false``."""
+    import openai
+
+    server = launch(failpoints="engine.step[user=poison]=raise(ValueError:poisoned)")
+    sdk = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=30)
+    with anyio.fail_after(SCENARIO_S):
+        with pytest.raises(openai.InternalServerError) as failed:
+            await sdk.chat.completions.create(  # the SDK's default retries
+                model=model_name, max_tokens=5, user="poison",
+                messages=[{"role": "user", "content": "hi"}])
+    await sdk.close()
+    assert failed.value.response.headers["x-should-retry"] == "false"
+    # The request is answered before the actor ends its recovery: wait for that (bounded).
+    stats = await anyio.to_thread.run_sync(
+        wait_health, server, lambda h: h["state"] != "recovering")
+    # Before, the SDK sent it three times: three isolations in a row.
+    assert stats["isolated"] == 1 and stats["state"] == "ready", stats
