@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -125,34 +128,76 @@ def test_mlx_serve_entry_point_is_installed():
     assert done.returncode == 0 and "--decode-batch-size" in done.stdout
 
 
-def test_plain_uvicorn_serves_with_settings_from_the_environment(tiny_model_dir, tmp_path):
+@contextmanager
+def plain_uvicorn(tmp_path: Path, settings: dict[str, str], host: str = "127.0.0.1"
+                  ) -> Iterator[int]:
+    """``uvicorn mlx_serve.app:app`` on ``host`` with MLX_SERVE_* ``settings``, ready
+    (bounded); its port. Stopped on the way out."""
     port = free_port()
-    env = {**os.environ, "MLX_SERVE_MODEL": str(tiny_model_dir),
-           "MLX_SERVE_SERVED_MODEL_NAME": "from-env"}
     with open(tmp_path / "uvicorn.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "mlx_serve.app:app",
-                                 "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "--host", host, "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **settings})
     try:
         deadline = time.monotonic() + 120
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
-            while time.monotonic() < deadline:
+            while True:
                 assert proc.poll() is None, (tmp_path / "uvicorn.log").read_text()
+                assert time.monotonic() < deadline, "not ready in 120 s"
                 try:
                     if client.get("/health").status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
                 time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_plain_uvicorn_serves_with_settings_from_the_environment(tiny_model_dir, tmp_path):
+    with plain_uvicorn(tmp_path, {"MLX_SERVE_MODEL": str(tiny_model_dir),
+                                  "MLX_SERVE_SERVED_MODEL_NAME": "from-env"}) as port:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
             models = client.get("/v1/models").json()["data"]
             reply = client.post("/v1/completions", json={
                 "prompt": "hi", "max_tokens": 3, "temperature": 0,
                 "logit_bias": {"0": -100, "2": -100}})  # no end-of-sequence: exactly 3
-        assert [m["id"] for m in models] == ["from-env"]
-        assert reply.json()["usage"]["completion_tokens"] == 3
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    assert [m["id"] for m in models] == ["from-env"]
+    assert reply.json()["usage"]["completion_tokens"] == 3
+
+
+def _outward_address() -> str | None:
+    """An address of this machine other than loopback, if it has one (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the outward interface
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_under_plain_uvicorn_the_fail_points_answer_only_loopback_clients_with_the_key(
+        tiny_model_dir, tmp_path):
+    outward = _outward_address()
+    if outward is None:
+        pytest.skip("this machine has no address but loopback")
+    # The settings' own host is loopback (the default); uvicorn listens everywhere.
+    with plain_uvicorn(tmp_path, {"MLX_SERVE_MODEL": str(tiny_model_dir),
+                                  "MLX_SERVE_FAILPOINTS_HTTP": "true",
+                                  "MLX_SERVE_API_KEY": "k1"}, host="0.0.0.0") as port:
+        away = httpx.put(f"http://{outward}:{port}/_debug/failpoints/engine.step",
+                         content="hang", headers={"Authorization": "Bearer k1"}, timeout=5)
+        # Before, any client anywhere could make the engine hang, without the key.
+        assert away.status_code == 403, away.text
+        assert away.json()["error"]["code"] == "forbidden"
+        local = f"http://127.0.0.1:{port}/_debug/failpoints"
+        assert httpx.get(local, timeout=5).status_code == 401
+        keyed = httpx.get(local, headers={"Authorization": "Bearer k1"}, timeout=5)
+        assert keyed.status_code == 200 and keyed.json() == {}
 
 
 @pytest.mark.parametrize(("args", "logged"), [([], True), (["--no-access-log"], False)])

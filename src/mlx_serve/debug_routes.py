@@ -1,4 +1,9 @@
-"""Runtime fail-point control, mounted only with ``failpoints_http`` (loopback only)."""
+"""Runtime fail-point control, mounted only with ``failpoints_http`` (loopback only).
+
+The settings refuse ``failpoints_http`` unless ``host`` is loopback, but under plain
+``uvicorn mlx_serve.app:app`` uvicorn's own ``--host`` decides where it listens: so each
+request must come from a loopback address too, and carry the API key when one is set.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,33 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlx_serve.errors import RequestError
+from mlx_serve.config import is_loopback
+from mlx_serve.errors import MLXServeError, RequestError
 from mlx_serve.failpoints import FailPointSpecError
 from mlx_serve.remote_engine import RemoteEngine
+from mlx_serve.routes import authorize
+
+
+class NotLoopbackError(MLXServeError):
+    status_code = 403
+    error_type = "invalid_request_error"
+    code = "forbidden"
+
+
+def _allowed(request: Request) -> None:
+    client = request.client
+    if client is None or not is_loopback(client.host):
+        raise NotLoopbackError("the fail-point endpoints answer loopback clients only")
+    authorize(request, request.app.state.server)
 
 
 async def get_failpoints(request: Request) -> Response:
+    _allowed(request)
     return JSONResponse(request.app.state.server.failpoints.describe())
 
 
 async def put_failpoint(request: Request) -> Response:
+    _allowed(request)
     site = request.path_params["site"]
     action = (await request.body()).decode("utf-8", "replace").strip()
     try:
@@ -27,6 +49,7 @@ async def put_failpoint(request: Request) -> Response:
 
 
 async def delete_failpoint(request: Request) -> Response:
+    _allowed(request)
     request.app.state.server.failpoints.clear(request.path_params["site"])
     _forward(request, request.path_params["site"], None)
     return JSONResponse(request.app.state.server.failpoints.describe())

@@ -49,7 +49,7 @@ from mlx_serve.tokenizer_routes import TOKENIZER_ROUTES
 log = logging.getLogger(__name__)
 
 
-def _authorize(request: Request, state: ServerState) -> None:
+def authorize(request: Request, state: ServerState) -> None:
     """With ``--api-key``: the /v1 endpoints need ``Authorization: Bearer KEY`` (the
     health probes and /metrics stay open, as in vLLM)."""
     key = state.settings.api_key
@@ -75,7 +75,7 @@ async def _open(request: Request, model_type: type[Any]
     """What every generating endpoint does first: authorize, read and validate the body,
     check its model, and make sure the engine takes work."""
     state = server_state(request)
-    _authorize(request, state)
+    authorize(request, state)
     body = parse(model_type, await read_json(request, state))
     return state, body, check_model(state, body.model), ready_engine(state)
 
@@ -175,14 +175,14 @@ async def version(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     state = server_state(request)
-    _authorize(request, state)
+    authorize(request, state)
     return JSONResponse({"object": "list", "data": [_model_object(state)]})
 
 
 async def retrieve_model(request: Request) -> Response:
     """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``)."""
     state = server_state(request)
-    _authorize(request, state)
+    authorize(request, state)
     check_model(state, request.path_params["model"])
     return JSONResponse(_model_object(state))
 
@@ -227,7 +227,7 @@ async def responses(request: Request) -> Response:
 def _stored(request: Request) -> tuple[ResponseStore, str, StoredResponse]:
     """The store, the id in the path and the response stored under it (else a 404)."""
     state = server_state(request)
-    _authorize(request, state)
+    authorize(request, state)
     response_id = request.path_params["response_id"]
     return state.responses, response_id, state.responses.get(response_id)
 
