@@ -74,10 +74,46 @@ def test_an_empty_api_key_is_no_key_as_in_vllm(monkeypatch):
 
 
 def test_the_cli_refuses_bad_settings_with_a_clear_message():
+    key = "sk-live-4f9a8b7c1234"
     done = subprocess.run([sys.executable, "-m", "mlx_serve", "--host", "0.0.0.0",
-                           "--failpoints-http"], capture_output=True, text=True, timeout=60)
+                           "--failpoints-http"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MLX_SERVE_API_KEY": key})
     assert done.returncode == 2
     assert "loopback" in done.stderr
+    # Before, pydantic's message quoted every setting given, the key's start with them.
+    assert key[:6] not in done.stderr and "input_value" not in done.stderr
+
+
+def test_plain_uvicorn_refuses_bad_settings_with_the_same_message_not_a_traceback():
+    done = subprocess.run([sys.executable, "-m", "uvicorn", "mlx_serve.app:app",
+                           "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "MLX_SERVE_DECODE_BATCH_SIZE": "0"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert ("decode_batch_size (--decode-batch-size, MLX_SERVE_DECODE_BATCH_SIZE): "
+            "Input should be greater than or equal to 1") in done.stderr
+
+
+def test_empty_settings_are_unset_and_an_empty_host_is_refused(monkeypatch):
+    # A deployment template's unset values: before, MLX_SERVE_MODEL= served the working
+    # directory as a model, and an empty host listened on every interface.
+    for name in ("MODEL", "CACHE_DIR", "SERVED_MODEL_NAME", "ALLOWED_ORIGINS"):
+        monkeypatch.setenv(f"MLX_SERVE_{name}", "")
+    settings = Settings()
+    assert (settings.model, settings.cache_dir, settings.served_model_name,
+            settings.allowed_origins) == (None, None, None, None)
+    with pytest.raises(ValidationError, match="host"):
+        Settings(host="")
+
+
+def test_an_api_key_from_a_file_loses_its_newline(monkeypatch):
+    monkeypatch.setenv("MLX_SERVE_API_KEY", "sekret-key-123\n")
+    assert Settings().api_key == "sekret-key-123"  # no header can carry the newline
+
+
+def test_an_mlx_cache_limit_past_what_mlx_takes_is_a_settings_error():
+    with pytest.raises(ValidationError, match="mlx_cache_limit_bytes"):
+        Settings(mlx_cache_limit_bytes=2**70)  # before: a TypeError at load, state failed
 
 
 @pytest.mark.parametrize("code, status, said", [(3, 3, ""), (None, 0, ""),

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from mlx_serve.body_budget import BodyBudget
-from mlx_serve.config import Settings
+from mlx_serve.config import Settings, describe_invalid
 from mlx_serve.engine import Engine, EngineState
 from mlx_serve.engine_setup import (
     engine_config,
@@ -162,5 +164,10 @@ def __getattr__(name: str) -> Any:
     # ``uvicorn mlx_serve.app:app`` reads settings from MLX_SERVE_* at import, lazily, so
     # that importing this module for create_app() has no side effects.
     if name == "app":
-        return create_app()
+        try:
+            return create_app()
+        except ValidationError as exc:  # the settings' faults, not a traceback
+            print(f"mlx_serve: invalid MLX_SERVE_* settings:\n{describe_invalid(exc)}",
+                  file=sys.stderr)
+            raise SystemExit(2) from None
     raise AttributeError(name)

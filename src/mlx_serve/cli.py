@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import uvicorn
 from pydantic import ValidationError
 
-from mlx_serve.config import Settings
+from mlx_serve.config import Settings, describe_invalid
 from mlx_serve.preload import reexec_with_preloads
 
 
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = settings_from_args(argv)
     except ValidationError as exc:
-        print(f"mlx-serve: invalid settings:\n{exc}", file=sys.stderr)
+        print(f"mlx-serve: invalid settings:\n{describe_invalid(exc)}", file=sys.stderr)
         return 2
     reexec_with_preloads(argv, settings.openblas, settings.jemalloc)
     logging.basicConfig(level=settings.log_level.upper(),

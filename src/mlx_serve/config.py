@@ -6,11 +6,12 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mlx_serve.failpoints import KNOWN_SITES, FailPoints
 
+ENV_PREFIX = "MLX_SERVE_"
 LOOPBACK_NAMES = {"localhost"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -27,7 +28,7 @@ def is_loopback(host: str) -> bool:
 class Settings(BaseSettings):
     """Every knob of the server. Field descriptions double as ``--help`` text."""
 
-    model_config = SettingsConfigDict(env_prefix="MLX_SERVE_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
 
     model: str | None = Field(
         None, description="mlx-lm model folder or Hugging Face repo id (default: embedded model)"
@@ -41,7 +42,8 @@ class Settings(BaseSettings):
         None, description="comma-separated origins whose pages a browser may let call this "
                           "server (CORS; '*' for any); default: none",
     )
-    host: str = Field("127.0.0.1", description="address to bind")
+    host: str = Field("127.0.0.1", min_length=1,
+                      description="address to bind (0.0.0.0: every interface)")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
     cache_dir: Path | None = Field(None, description="where the default model is converted to")
     dequantize_default_model: bool | None = Field(
@@ -102,7 +104,7 @@ class Settings(BaseSettings):
                     "/v1/responses/{id} (least recently used out first; 0 stores none)",
     )
     mlx_cache_limit_bytes: int | None = Field(
-        None, ge=0,
+        None, ge=0, le=2**63 - 1,
         description="most freed device memory MLX keeps for reuse (default: MLX's own limit)",
     )
     mlx_thread_nice: int = Field(
@@ -159,6 +161,14 @@ class Settings(BaseSettings):
     def origins(self) -> list[str]:
         return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
+    @field_validator("model", "served_model_name", "cache_dir", "allowed_origins",
+                     "failpoints", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # MLX_SERVE_MODEL= (a template's unset value) is no setting, not "." (the working
+        # directory, served as a model).
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("model")
     @classmethod
     def _model_folder_exists(cls, model: str | None) -> str | None:
@@ -174,7 +184,8 @@ class Settings(BaseSettings):
     def _empty_key_is_no_key(cls, key: str | None) -> str | None:
         if key and not key.strip():  # a key no client could send
             raise ValueError("is blank: give a key, or none")
-        return key or None  # as vLLM: MLX_SERVE_API_KEY= turns authentication off
+        # A key read from a file often ends with a newline, which no header can carry.
+        return key.strip() if key else None  # MLX_SERVE_API_KEY= turns it off, as vLLM
 
     @field_validator("log_level")
     @classmethod
@@ -197,3 +208,16 @@ class Settings(BaseSettings):
         if self.failpoints_http and not is_loopback(self.host):
             raise ValueError("failpoints_http is refused unless the server binds to loopback")
         return self
+
+
+def describe_invalid(exc: ValidationError) -> str:
+    """A settings error, one line per fault, naming each setting by its flag and its
+    variable but never echoing a value: pydantic's own text quotes the input, which
+    for a check of the whole settings is all of them, the API key included."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False):
+        name = "_".join(str(part) for part in error["loc"])
+        where = (f"{name} (--{name.replace('_', '-')}, {ENV_PREFIX}{name.upper()})"
+                 if name else "settings")
+        lines.append(f"  {where}: {error['msg']}")
+    return "\n".join(lines)
