@@ -195,7 +195,8 @@ def plain_uvicorn(tmp_path: Path, settings: dict[str, str], host: str = "127.0.0
 
 def test_plain_uvicorn_serves_with_settings_from_the_environment(tiny_model_dir, tmp_path):
     with plain_uvicorn(tmp_path, {"MLX_SERVE_MODEL": str(tiny_model_dir),
-                                  "MLX_SERVE_SERVED_MODEL_NAME": "from-env"}) as port:
+                                  "MLX_SERVE_SERVED_MODEL_NAME": "from-env",
+                                  "MLX_SERVE_DECODE_BATCHSIZE": "4"}) as port:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
             models = client.get("/v1/models").json()["data"]
             reply = client.post("/v1/completions", json={
@@ -203,6 +204,11 @@ def test_plain_uvicorn_serves_with_settings_from_the_environment(tiny_model_dir,
                 "logit_bias": {"0": -100, "2": -100}})  # no end-of-sequence: exactly 3
     assert [m["id"] for m in models] == ["from-env"]
     assert reply.json()["usage"]["completion_tokens"] == 3
+    log = (tmp_path / "uvicorn.log").read_text()
+    # Before, no line of the server's own reached uvicorn's output but warnings.
+    assert "INFO mlx_serve: event loop: uvloop" in log
+    assert ("ignored environment variables that name no setting: MLX_SERVE_DECODE_BATCHSIZE"
+            " (did you mean MLX_SERVE_DECODE_BATCH_SIZE?)") in log
 
 
 def _outward_address() -> str | None:

@@ -21,7 +21,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from mlx_serve.body_budget import BodyBudget
-from mlx_serve.config import Settings, describe_invalid
+from mlx_serve.config import Settings, describe_invalid, unknown_environment
 from mlx_serve.engine import Engine, EngineState
 from mlx_serve.engine_setup import (
     engine_config,
@@ -110,7 +110,11 @@ async def drain_engine(engine: Engine | RemoteEngine, timeout: float) -> bool:
 def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     failpoints = FailPoints.from_spec(settings.failpoints)
+    _log_somewhere(settings.log_level)
     raise_open_files_limit()  # every connection is a file
+    if unknown := unknown_environment(os.environ):
+        log.warning("ignored environment variables that name no setting: %s",
+                    ", ".join(unknown))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -158,6 +162,18 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                      allow_headers=["*"]))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+
+
+def _log_somewhere(level: str) -> None:
+    """Under plain uvicorn nothing configures our logger (uvicorn configures its own):
+    its info lines (the model loaded, its context, the HTTP stack) went nowhere. Give it
+    a handler at ``level`` where neither it nor the root logger has one."""
+    if log.handlers or logging.getLogger().handlers:
+        return  # mlx-serve's basicConfig, a test runner, or the deployment's own
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level.upper())
 
 
 def __getattr__(name: str) -> Any:

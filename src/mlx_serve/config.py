@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -221,3 +223,19 @@ def describe_invalid(exc: ValidationError) -> str:
                  if name else "settings")
         lines.append(f"  {where}: {error['msg']}")
     return "\n".join(lines)
+
+
+# Variables of the prefix that are not settings but the server's own.
+_NOT_SETTINGS = frozenset({"MLX_SERVE_PRELOAD_REEXEC"})
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """``MLX_SERVE_*`` variables that name no setting (a typo, or ``NO_``: off is
+    ``=false``), each with the setting it likely meant."""
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | _NOT_SETTINGS
+    notes = []
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            guess = difflib.get_close_matches(name.replace("_NO_", "_"), known, n=1)
+            notes.append(f"{name} (did you mean {guess[0]}?)" if guess else name)
+    return notes
