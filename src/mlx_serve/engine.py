@@ -156,7 +156,11 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._wakeup = Wakeup(self._loop)
         try:
-            self.runner = await self._mlx.call(self._load)
+            try:
+                self.runner = await self._mlx.call(self._load)
+            except Exception as exc:  # said in one line first: the traceback follows
+                log.critical("the model could not be loaded: %s: %s", type(exc).__name__, exc)
+                raise
             if not self._draining:
                 self._state = EngineState.READY
             self.ready.set()
