@@ -252,3 +252,15 @@ def test_the_access_log_is_on_unless_turned_off(tiny_model_dir, tmp_path, args, 
         # line-buffered) before the client has the whole response.
         assert ('"GET /v1/models HTTP/1.1" 200' in server.log_text()) is logged
         assert "Application startup complete" in server.log_text()
+
+
+def test_a_model_that_cannot_be_loaded_is_said_in_one_line_and_exits_70_when_asked(
+        tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')  # no weights, no tokenizer
+    done = subprocess.run([sys.executable, "-m", "mlx_serve", "--model", str(broken),
+                           "--port", str(free_port()), "--exit-on-fatal", "--no-openblas",
+                           "--no-jemalloc"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 70, done.stderr[-3000:]
+    assert "CRITICAL mlx_serve.engine: the model could not be loaded: " in done.stderr
