@@ -92,8 +92,13 @@ async def drain_engine(engine: Engine | RemoteEngine, timeout: float) -> bool:
     """Let the requests in flight finish for up to ``timeout`` seconds, then give what is
     left a terminal error; whether the engine has ended. The wait after the abort is
     bounded too: an engine that cannot answer (a model still loading, a frozen engine
-    process) must not keep the server from stopping."""
+    process) must not keep the server from stopping, and one still loading its model
+    has no request in flight to wait for: it is left at once."""
     engine.begin_drain()
+    if not engine.ready.is_set():
+        log.info("the model is still loading: nothing in flight, stopping without it")
+        engine.abort()
+        return False
     with anyio.move_on_after(timeout) as drain:
         await engine.finished.wait()
     if drain.cancelled_caught:
