@@ -162,6 +162,9 @@ def test_mlx_serve_entry_point_is_installed():
     script = Path(sys.executable).parent / "mlx-serve"
     done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--decode-batch-size" in done.stdout
+    # Each setting's default, where it has one (the flag's own stays unset for its variable).
+    assert "(default: 32)" in done.stdout and "(default: 127.0.0.1)" in " ".join(
+        done.stdout.split())
 
 
 @contextmanager
@@ -207,6 +210,9 @@ def test_plain_uvicorn_serves_with_settings_from_the_environment(tiny_model_dir,
     log = (tmp_path / "uvicorn.log").read_text()
     # Before, no line of the server's own reached uvicorn's output but warnings.
     assert "INFO mlx_serve: event loop: uvloop" in log
+    assert (f"INFO mlx_serve: serving {tiny_model_dir} as 'from-env': decode batch 32, "
+            "prefill 8 prompts x 512 tokens, queue 256, API key not required, engine in "
+            "this process") in log
     assert ("ignored environment variables that name no setting: MLX_SERVE_DECODE_BATCHSIZE"
             " (did you mean MLX_SERVE_DECODE_BATCH_SIZE?)") in log
 

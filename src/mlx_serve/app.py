@@ -125,6 +125,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log_http_stack()
         log_interpreter_lock()
+        _log_settings(settings)
         mlx: MLXThread | None = None
         engine: Engine | RemoteEngine
         if settings.engine_process:  # the engine and its MLX thread run in a child
@@ -167,6 +168,16 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                      allow_headers=["*"]))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+
+
+def _log_settings(settings: Settings) -> None:
+    """What a deployer checks first, in one line."""
+    log.info("serving %s as %r: decode batch %d, prefill %d prompts x %d tokens, queue %d, "
+             "API key %s, engine %s", settings.model or "the embedded default model",
+             served_model_name(settings), settings.decode_batch_size,
+             settings.prefill_batch_size, settings.prefill_step_size, settings.max_queue,
+             "required" if settings.api_key else "not required",
+             "in a child process" if settings.engine_process else "in this process")
 
 
 def _log_somewhere(level: str) -> None:

@@ -33,13 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         kind = _flag_type(field.annotation)
+        # The parser's own default stays None, so that an unset flag leaves the setting to
+        # its environment variable; the help says the setting's default.
+        shown = field.description or ""
+        if field.default is not None:
+            shown += f" (default: {str(field.default).lower() if kind is bool else field.default})"
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=field.description)
+                                default=None, help=shown)
         else:
             converter = kind if kind in (int, float) else str
-            parser.add_argument(flag, dest=name, type=converter, default=None,
-                                help=field.description)
+            parser.add_argument(flag, dest=name, type=converter, default=None, help=shown)
     return parser
 
 

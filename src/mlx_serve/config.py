@@ -146,7 +146,8 @@ class Settings(BaseSettings):
     step_timeout: float = Field(120.0, gt=0, description="seconds before a step counts as wedged")
     max_failed_rebuilds: int = Field(3, ge=1, description="failed rebuilds in a row before failed")
     max_request_failures: int = Field(
-        2, ge=1, description="step failures a request may be part of before it is isolated"
+        2, ge=1, description="failed probe steps a request may take alone (a failing batch "
+                             "is bisected) before it is isolated",
     )
     exit_on_fatal: bool = Field(False, description="exit non-zero when the engine fails for good")
     drain_timeout: float = Field(30.0, ge=0, description="seconds to finish in-flight on SIGTERM")
