@@ -201,3 +201,21 @@ def test_stale_temporary_folders_are_removed(gguf: Path, tmp_path: Path) -> None
     os.utime(stale, (0, 0))
     convert_default_model(dest, progress=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".model.tmp-live", "model"]
+
+
+def test_a_max_context_past_the_models_own_is_warned_about(tiny_model_dir, caplog):
+    import json
+
+    from mlx_serve.failpoints import FailPoints
+    from mlx_serve.runner import BatchLimits, load_runner
+
+    trained = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    with caplog.at_level("WARNING", logger="mlx_serve"):
+        runner = load_runner(str(tiny_model_dir), limits=BatchLimits(),
+                             failpoints=FailPoints(), max_context=trained * 100)
+    assert runner.context_length == trained * 100  # an override is honoured, and said
+    assert f"past the {trained} positions the model was made for" in caplog.text
+    caplog.clear()
+    load_runner(str(tiny_model_dir), limits=BatchLimits(), failpoints=FailPoints(),
+                max_context=trained // 2)
+    assert "positions the model was made for" not in caplog.text

@@ -27,7 +27,11 @@ def load_runner(
         mx.set_cache_limit(cache_limit_bytes)
         log.info("MLX buffer cache limited to %d bytes", cache_limit_bytes)
     model, tokenizer, config = load(path, return_config=True)  # type: ignore[misc]
-    context = max_context or config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH
+    trained = config.get("max_position_embeddings")
+    if max_context and trained and max_context > trained:
+        log.warning("--max-context %d is past the %d positions the model was made for: "
+                    "replies that long may be nonsense", max_context, trained)
+    context = max_context or trained or DEFAULT_CONTEXT_LENGTH
     vocab = config.get("vocab_size") or len(tokenizer.get_vocab())
     return Runner(model, tokenizer, context_length=int(context), vocab_size=int(vocab),
                   limits=limits, failpoints=failpoints, prefix_cache_bytes=prefix_cache_bytes,
