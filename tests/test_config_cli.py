@@ -65,6 +65,17 @@ def test_a_model_folder_that_is_not_there_is_a_settings_error(tmp_path):
         Settings(model=str(tmp_path / "missing"))
     assert Settings(model=str(tmp_path)).model == str(tmp_path)
     assert Settings(model="org/some-model").model == "org/some-model"  # a hub id
+    # ...unless its first part is a folder here: then it is a path with a typo.
+    (tmp_path / "models").mkdir()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(ValidationError, match="no such model folder: models/tinym"):
+            Settings(model="models/tinym")
+        (tmp_path / "models" / "tinym").mkdir()
+        assert Settings(model="models/tinym").model == "models/tinym"
+    finally:
+        os.chdir(cwd)
 
 
 def test_an_empty_api_key_is_no_key_as_in_vllm(monkeypatch):

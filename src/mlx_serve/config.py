@@ -180,6 +180,12 @@ class Settings(BaseSettings):
         if model and model.startswith(("/", "./", "../", "~")) and not (
                 Path(model).expanduser().exists()):
             raise ValueError(f"no such model folder: {model}")
+        # "models/tinym" reads as a repo id, but when "models" is a folder here it is
+        # almost surely a path with a typo: the start would fail later, on the network.
+        if model and "/" in model and not Path(model).exists() and (
+                Path(model.split("/", 1)[0]).is_dir()):
+            raise ValueError(f"no such model folder: {model} (a Hugging Face repo id that "
+                             "starts with the name of a folder here is taken for a path)")
         return model
 
     @field_validator("api_key")
