@@ -456,6 +456,13 @@ async def test_overload_answers_429_with_retry_after_at_once(server):
             started = time.monotonic()
             again = await c.post("/v1/chat/completions", json=body)
             assert again.status_code == 429
+            # What the OpenAI SDKs wait: jittered around Retry-After, so turned-away
+            # clients come back apart (before, all of them after exactly 1 s).
+            waits = {int(r.headers["retry-after-ms"]) for r in (refused, again)}
+            for _ in range(8):
+                waits.add(int((await c.post("/v1/chat/completions",
+                                            json=body)).headers["retry-after-ms"]))
+            assert all(500 <= w <= 1500 for w in waits) and len(waits) > 1, waits
             assert time.monotonic() - started < 1.0
             for path in ("/health", "/live"):
                 started = time.monotonic()

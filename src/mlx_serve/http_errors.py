@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Mapping
 
 from starlette.exceptions import HTTPException
@@ -24,6 +25,9 @@ def error_response(request: Request, exc: MLXServeError,
         headers["WWW-Authenticate"] = "Bearer"
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
+        # The OpenAI SDKs prefer this one: spread over half to one and a half times the
+        # wait, the clients that a full queue turned away come back apart, not together.
+        headers["retry-after-ms"] = str(round(exc.retry_after * random.uniform(500, 1500)))
     if exc.should_retry is not None:
         headers["x-should-retry"] = "true" if exc.should_retry else "false"
     if exc.closes_connection:
