@@ -437,6 +437,21 @@ def test_the_openai_paths_answer_without_v1_too(server):
     assert httpx.get(server.base_url + "/chat/completions", timeout=5).status_code == 405
 
 
+def test_every_reply_names_its_request_id_as_openai_does(client):
+    # The SDK shows the x-request-id header as ``_request_id`` (before: None).
+    chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2,
+                                          temperature=0)
+    assert chat._request_id == chat.id
+    text = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+    assert text._request_id == text.id
+    response = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert response._request_id == response.id
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=HI, max_tokens=2, stream=True) as streamed:
+        first = next(iter(streamed.parse()))
+        assert streamed.headers["x-request-id"] == first.id
+
+
 def test_version_names_the_server_and_its_mlx(server):
     from importlib.metadata import version
 

@@ -63,12 +63,13 @@ async def test_a_large_reply_is_built_off_the_event_loop():
         threads.append(threading.get_ident())
         return value
 
-    small = await json_reply(LARGE_REPLY_ITEMS, lambda: build({"a": 1}))
-    large = await json_reply(LARGE_REPLY_ITEMS + 1, lambda: build(LARGE))
+    small = await json_reply(LARGE_REPLY_ITEMS, lambda: build({"a": 1}), "r1")
+    large = await json_reply(LARGE_REPLY_ITEMS + 1, lambda: build(LARGE), "r2")
     assert threads[0] == threading.get_ident() != threads[1]
     assert small.body == b'{"a":1}'
     assert large.body == JSONResponse(LARGE).body
     assert large.media_type == "application/json"
+    assert (small.headers["x-request-id"], large.headers["x-request-id"]) == ("r1", "r2")
 
 
 @pytest.mark.anyio
@@ -93,7 +94,7 @@ async def test_the_collector_is_off_while_any_large_reply_is_built():
         async with anyio.create_task_group() as tg:
             tg.start_soon(json_reply, LARGE_REPLY_ITEMS + 1, first)
             await anyio.to_thread.run_sync(first_building.wait, 10)
-            await json_reply(LARGE_REPLY_ITEMS + 1, second)
+            await json_reply(LARGE_REPLY_ITEMS + 1, second, "r3")
             second_done.set()
     assert seen == [False, False, False]
     assert gc.isenabled()

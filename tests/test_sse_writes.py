@@ -30,7 +30,7 @@ class Stream:
         shape = ReplyShape(chat=False, model="m", prompt_tokens=3, include_usage=True)
         events = sse_events(RequestHandle("r", self.channel), shape, 1,
                             FailPoints.from_spec(None), None, ping_seconds=60.0)
-        self.response = SSEResponse(events)
+        self.response = SSEResponse(events, "r1")
         self.sent: list[dict] = []
 
     async def send(self, message: dict) -> None:

@@ -42,13 +42,15 @@ class JSONResponse(StarletteJSONResponse):
             return _ascii_json(content)
 
 
-async def json_reply(items: int, build: Callable[[], Any]) -> Response:
+async def json_reply(items: int, build: Callable[[], Any], request_id: str) -> Response:
     """The reply ``build()`` makes; one of more than ``LARGE_REPLY_ITEMS`` items is built
-    and encoded in a worker thread."""
+    and encoded in a worker thread. ``x-request-id`` names it, as OpenAI's replies do
+    (the SDKs show it as ``_request_id``)."""
+    headers = {"x-request-id": request_id}
     if items <= LARGE_REPLY_ITEMS:
-        return JSONResponse(build())
+        return JSONResponse(build(), headers=headers)
     body = await anyio.to_thread.run_sync(_built_and_rendered, build)
-    return Response(body, media_type="application/json")
+    return Response(body, media_type="application/json", headers=headers)
 
 
 def _built_and_rendered(build: Callable[[], Any]) -> bytes:

@@ -110,10 +110,11 @@ async def _reply(request: Request, state: ServerState, body: Any, prepared: Prep
         await fail_fast(handle, request, state.settings.sse_ping_seconds, tracker)
         return SSEResponse(sse_events(handle, shape, choices, state.failpoints, body.user,
                                       state.settings.sse_ping_seconds,
-                                      merge_text=interval > 1, tracker=tracker))
+                                      merge_text=interval > 1, tracker=tracker), request_id)
     collected = await collect(handle, shape, choices, request, tracker)
     # Choices without a finish only happen when the client went away: nobody reads it.
-    return await json_reply(reply_items(collected), lambda: shape.completion(collected))
+    return await json_reply(reply_items(collected), lambda: shape.completion(collected),
+                            request_id)
 
 
 def _reply_shape(state: ServerState, prepared: Prepared, request_id: str, model: str, *,
@@ -213,7 +214,8 @@ async def responses(request: Request) -> Response:
     if body.stream:
         await fail_fast(handle, request, state.settings.sse_ping_seconds, tracker)
         return SSEResponse(response_events(handle, shape, builder,
-                                           state.settings.sse_ping_seconds, tracker, store))
+                                           state.settings.sse_ping_seconds, tracker, store),
+                           request_id)
     choice = Choice(0)
     try:
         await collect(handle, shape, 1, request, tracker, into=[choice])
@@ -221,7 +223,7 @@ async def responses(request: Request) -> Response:
         raise as_responses_error(exc) from None
     final = whole_response(builder, choice, shape.prompt_tokens)
     store(final)
-    return await json_reply(reply_items([choice]), lambda: final)
+    return await json_reply(reply_items([choice]), lambda: final, request_id)
 
 
 def _stored(request: Request) -> tuple[ResponseStore, str, StoredResponse]:

@@ -30,9 +30,10 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: AsyncIterator[bytes]) -> None:
+    def __init__(self, frames: AsyncIterator[bytes], request_id: str) -> None:
         super().__init__(frames, headers={"Cache-Control": "no-store",
-                                          "X-Accel-Buffering": "no"})
+                                          "X-Accel-Buffering": "no",
+                                          "x-request-id": request_id})
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's, but the frames that end with ``[DONE]`` also end the body: the
