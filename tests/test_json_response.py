@@ -92,7 +92,7 @@ async def test_the_collector_is_off_while_any_large_reply_is_built():
     assert gc.isenabled()
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(json_reply, LARGE_REPLY_ITEMS + 1, first)
+            tg.start_soon(json_reply, LARGE_REPLY_ITEMS + 1, first, "r4")
             await anyio.to_thread.run_sync(first_building.wait, 10)
             await json_reply(LARGE_REPLY_ITEMS + 1, second, "r3")
             second_done.set()
