@@ -6,7 +6,12 @@ import anyio
 import pytest
 
 from mlx_serve.engine import EngineConfig, EngineState
-from mlx_serve.errors import EngineDeadError, GenerationError, StepTimeoutError
+from mlx_serve.errors import (
+    EngineDeadError,
+    GenerationError,
+    IsolatedRequestError,
+    StepTimeoutError,
+)
 from tests.conftest import running_engine
 from tests.engine_helpers import (
     drain,
@@ -80,8 +85,8 @@ async def test_every_step_failing_ends_in_failed_with_every_request_answered(tin
         # The self-test (a bare forward pass) passes here, so bisection isolates requests
         # until the isolations, or whole batches failing, say the engine is broken.
         errors = [type(r.error) for r in results]
-        assert set(errors) <= {GenerationError, EngineDeadError}, errors
-        assert errors.count(GenerationError) == engine.statistics().isolated >= 3, errors
+        assert set(errors) <= {IsolatedRequestError, EngineDeadError}, errors
+        assert errors.count(IsolatedRequestError) == engine.statistics().isolated >= 3, errors
         assert engine.statistics().recoveries < 40
 
 
