@@ -75,9 +75,10 @@ def test_a_stored_response_can_be_retrieved_and_deleted(server, client):
                  lambda: client.responses.delete(made.id)):
         with pytest.raises(openai.NotFoundError):
             call()
-    with pytest.raises(openai.NotFoundError) as info:
+    with pytest.raises(openai.BadRequestError) as info:  # OpenAI's answer, not a 404
         create(client, input=SECOND, previous_response_id=made.id)
     assert info.value.param == "previous_response_id"
+    assert info.value.code == "previous_response_not_found"
 
 
 def test_input_items_are_the_conversation_that_generated_a_response(client):
@@ -186,8 +187,9 @@ def test_without_a_store_every_response_says_so(tiny_model_dir, tmp_path):
                           max_retries=0) as sdk:
         made = create(sdk, input=FIRST)
         assert made.store is False
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.BadRequestError) as info:
             create(sdk, input=SECOND, previous_response_id=made.id)
+        assert info.value.code == "previous_response_not_found"
 
 
 def response(response_id: str, text: str = "") -> dict:

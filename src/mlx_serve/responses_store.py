@@ -198,10 +198,10 @@ async def continued(body: ResponsesRequest, store: ResponseStore
     if body.previous_response_id is not None:
         try:
             earlier = store.get(body.previous_response_id).items_json
-        except ResponseNotFoundError:
-            raise ResponseNotFoundError(
+        except ResponseNotFoundError:  # a 400 with OpenAI's code, which clients match on
+            raise RequestError(
                 f"Previous response with id '{body.previous_response_id}' not found.",
-                param="previous_response_id") from None
+                param="previous_response_id", code="previous_response_not_found") from None
     holders = {item.id: store.holder(item.id) for item in body.input
                if isinstance(item, ItemReference)} if not isinstance(body.input, str) else {}
     if body.previous_response_id is None and not holders:
