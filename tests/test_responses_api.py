@@ -48,6 +48,13 @@ def test_a_response_is_what_the_chat_request_generates(client, max_tokens):
         assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.input_tokens == prompt_tokens
     assert response.usage.total_tokens == prompt_tokens + response.usage.output_tokens
+    # What sampled it, echoed as OpenAI does (before: no reasoning, top_p null).
+    assert (response.temperature, response.top_p) == (0.0, 1.0)
+    assert response.reasoning.effort is None and response.reasoning.summary is None
+    if response.status == "completed":
+        assert response.completed_at >= response.created_at
+    else:
+        assert response.completed_at is None
 
 
 def test_the_stream_carries_the_same_text_in_order(client):

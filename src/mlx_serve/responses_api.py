@@ -190,6 +190,12 @@ class ResponseBuilder:
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"  # one id in the stream and the result
         self.late_reasoning_id = f"rs_{uuid.uuid4().hex}"  # reasoning after the message
         self.created = int(time.time())
+        self._completed_at: int | None = None  # one time in the stream and the result
+
+    def _completed(self, status: str) -> int | None:
+        if status == "completed" and self._completed_at is None:
+            self._completed_at = int(time.time())
+        return self._completed_at if status == "completed" else None
 
     def message(self, text: str, status: str, logprobs: Sequence[TokenLogprob] = ()
                 ) -> dict[str, Any]:
@@ -225,7 +231,12 @@ class ResponseBuilder:
             "model": self.model,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "store": self.store,
-            "temperature": body.temperature, "top_p": body.top_p,
+            # What sampled it, as OpenAI echoes them: the defaults where none was sent.
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": None},
+            "completed_at": self._completed(status),
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text and body.text.format else {"type": "text"}},
             "tool_choice": _echoed(body.tool_choice) or "auto",
