@@ -188,3 +188,23 @@ def test_tokens_that_write_no_text_count_with_the_text_they_belong_to():
     item = ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", "resp_3").response(
         "incomplete", choice, 5)["output"]
     assert [(o["type"], o["status"]) for o in item] == [("reasoning", "incomplete")]
+
+
+def test_an_empty_reply_ends_with_the_text_part_its_stream_opened(agentic_tokenizer):
+    # The reply's first token ends it. Before, the stream opened a text part and closed it,
+    # while the final Response's message had no content, and a follow-up lost that turn.
+    from mlx_serve.responses_store import output_as_items
+
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", "resp_1")
+    items = _OutputItems(builder, shape_for(agentic_tokenizer))
+    frames = items.delta(Delta("", 1, FinishReason.STOP))
+    closing, final = items.closing(None)
+    events = sdk_events(frames + closing)
+    part_done = next(e for e in events if e.type == "response.content_part.done")
+    item_done = next(e for e in events if e.type == "response.output_item.done")
+    assert part_done.part.type == "output_text" and part_done.part.text == ""
+    assert [p.text for p in item_done.item.content] == [""]
+    (message,) = final["output"]
+    assert message["id"] == item_done.item.id
+    assert [p["text"] for p in message["content"]] == [""]
+    assert [i["type"] for i in output_as_items(final)] == ["message"]

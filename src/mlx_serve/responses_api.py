@@ -199,9 +199,12 @@ class ResponseBuilder:
 
     def message(self, text: str, status: str, logprobs: Sequence[TokenLogprob] = ()
                 ) -> dict[str, Any]:
+        # Once under way a message holds its text part, an empty reply's too: the stream
+        # opened one (content_part.added) before the first token.
         return {"id": self.message_id, "type": "message", "status": status,
                 "role": "assistant",
-                "content": [output_text(text, logprobs)] if text else []}
+                "content": [output_text(text, logprobs)] if text or status != "in_progress"
+                else []}
 
     def reasoning(self, text: str, status: str, late: bool = False) -> dict[str, Any]:
         return {"id": self.late_reasoning_id if late else self.reasoning_id,
