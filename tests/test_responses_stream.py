@@ -208,3 +208,15 @@ def test_an_empty_reply_ends_with_the_text_part_its_stream_opened(agentic_tokeni
     assert message["id"] == item_done.item.id
     assert [p["text"] for p in message["content"]] == [""]
     assert [i["type"] for i in output_as_items(final)] == ["message"]
+
+
+def test_a_reply_failing_before_any_text_lists_no_message_it_never_announced(
+        agentic_tokenizer):
+    from mlx_serve.errors import GenerationError
+
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", "resp_1")
+    items = _OutputItems(builder, shape_for(agentic_tokenizer))
+    closing, final = items.closing(GenerationError("generation failed: boom"))
+    (failed,) = sdk_events(closing)
+    assert failed.type == "response.failed"
+    assert final["output"] == []  # before: an empty message no event had announced

@@ -162,6 +162,8 @@ class _OutputItems:
         builder, choice, prompt_tokens = self.builder, self.choice, self.shape.prompt_tokens
         if error is not None:
             final = builder.response("failed", choice, prompt_tokens, error)
+            if self.message_at is None:  # a message the stream never announced
+                final["output"] = [i for i in final["output"] if i["type"] != "message"]
             return [self.event("response.failed", response=final)], final
         status = final_status(choice)
         if not has_message(choice):  # calls or reasoning alone
@@ -195,7 +197,7 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
                           ) -> AsyncIterator[bytes]:
     """The Responses stream: created, in progress, the output items' events, then
     completed (incomplete at max_output_tokens, failed on an error). ``on_end`` gets the
-    final Response of a stream that completed or ended incomplete."""
+    final Response, whatever its status."""
     items = _OutputItems(builder, shape)
     event = items.event
     error: MLXServeError | None = None
@@ -225,7 +227,7 @@ async def response_events(handle: RequestHandle, shape: ReplyShape, builder: Res
         finally:
             tell_tracker(tracker, [items.choice], error)
     frames, final = items.closing(error)
-    if on_end is not None and error is None:
+    if on_end is not None:  # a failed one too: its client has its id, as at OpenAI
         on_end(final)
     for frame in frames:
         yield frame

@@ -55,6 +55,11 @@ async def test_a_failing_request_ends_its_stream_with_response_failed(launch):
     from openai.types.responses import ResponseFailedEvent
 
     ResponseFailedEvent.model_validate(poisoned[-1])  # strict: the code is one it knows
+    # It says it is stored, and it is, as it failed (before: 404).
+    assert failed["store"] is True
+    async with http_client(server) as client:
+        stored = await client.get(f"/v1/responses/{failed['id']}")
+    assert stored.status_code == 200 and stored.json() == failed
     assert healthy[-1]["type"] == "response.incomplete"
     assert healthy[-1]["response"]["usage"]["output_tokens"] == 32
     assert_log_clean(server, allowed=["poisoned"])
