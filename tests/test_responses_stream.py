@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -220,3 +221,44 @@ def test_a_reply_failing_before_any_text_lists_no_message_it_never_announced(
     (failed,) = sdk_events(closing)
     assert failed.type == "response.failed"
     assert final["output"] == []  # before: an empty message no event had announced
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.mark.parametrize("script, kinds", [
+    ("first</think>" + CALL + "<think>second</think>",
+     ["reasoning", "function_call", "reasoning"]),
+    ("first</think>" + CALL + "<think>second</think>Done.",
+     ["reasoning", "function_call", "message", "reasoning"]),
+])
+def test_reasoning_after_a_call_is_an_item_of_its_own_in_stream_and_result(
+        agentic_tokenizer, script, kinds):
+    """Before, reasoning written after a call went on in the first reasoning item after
+    that item's done event, and the final Response listed its items in another order."""
+    from tests.test_agentic import run_script
+
+    deltas = [Delta(p.content, 1, p.finish, 0, p.reasoning, p.tool_calls,
+                    tool_text=p.tool_text) for p in run_script(agentic_tokenizer, script)]
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", "resp_1")
+    items = _OutputItems(builder, shape_for(agentic_tokenizer))
+    frames = [f for delta in deltas for f in items.delta(delta)]
+    closing, final = items.closing(None)
+    events = sdk_events(frames + closing)
+
+    output = final["output"]
+    assert [o["type"] for o in output] == kinds
+    done = {e.output_index: e.item for e in events if e.type == "response.output_item.done"}
+    added = {e.output_index: e.item.id for e in events
+             if e.type == "response.output_item.added"}
+    assert added == {i: o["id"] for i, o in enumerate(output)}
+    assert {i: item.id for i, item in done.items()} == added
+    closed: set[int] = set()
+    for e in events:  # no item hears of more after its done event
+        if e.type == "response.output_item.done":
+            closed.add(e.output_index)
+        elif e.type.endswith(".delta"):
+            assert e.output_index not in closed, e
+    reasoning = [o["content"][0]["text"] for o in output if o["type"] == "reasoning"]
+    assert reasoning == ["first", "second"]
+    assert done[0].content[0].text == "first"

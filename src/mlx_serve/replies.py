@@ -78,9 +78,10 @@ class Choice:
     # count with the next token that does, or with the last one at the end.
     undecided_tokens: int = 0
     reasoning_last: bool = False  # whether the last text written was reasoning
-    # How many reasoning pieces came before the reply's first text (None: no text yet):
-    # reasoning written after it is listed after the message in a Response.
-    reasoning_before_text: int | None = None
+    # How many reasoning pieces came before the reply's answer began, its first text or
+    # tool call (None: not yet): reasoning written after that is listed after the answer's
+    # items in a Response, in an item of its own.
+    reasoning_before_answer: int | None = None
     cached_tokens: int = 0
     finish: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # echo with logprobs: the prompt's own
@@ -154,8 +155,9 @@ class ReplyShape:
             if delta.reasoning:
                 choice.reasoning.append(delta.reasoning)
             _count_reasoning(choice, delta)
-        if delta.text and choice.reasoning_before_text is None:
-            choice.reasoning_before_text = len(choice.reasoning)
+        if choice.reasoning_before_answer is None and (
+                delta.text or delta.tool_calls or delta.tool_text):
+            choice.reasoning_before_answer = len(choice.reasoning)
         calls: list[CallUpdate] = []
         if (delta.tool_calls or delta.tool_text) and self.tool_parser is not None:
             if choice.call_stream is None:

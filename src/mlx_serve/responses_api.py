@@ -274,8 +274,8 @@ class ResponseBuilder:
 
 
 def reasoning_parts(choice: Choice) -> tuple[str, str]:
-    """A reply's reasoning before its first text, and after it."""
-    split = choice.reasoning_before_text
+    """A reply's reasoning before its answer (its first text or call), and after it."""
+    split = choice.reasoning_before_answer
     if split is None:
         return "".join(choice.reasoning), ""
     return "".join(choice.reasoning[:split]), "".join(choice.reasoning[split:])

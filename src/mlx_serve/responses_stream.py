@@ -29,6 +29,7 @@ from mlx_serve.responses_api import (
     function_call_item,
     has_message,
     output_text,
+    reasoning_parts,
 )
 from mlx_serve.streaming import QuietPings, pings_until_output, tell_tracker
 from mlx_serve.tool_calls import CallUpdate
@@ -69,7 +70,9 @@ class _OutputItems:
         sequence) has no text of its own: its log-probability goes with the next text."""
         frames: list[bytes] = []
         updates = self.shape.absorb(self.choice, delta)
-        if delta.reasoning and self.message_at is None:  # else only in the final Response
+        # Reasoning after the answer began (text or a call) comes whole at the end, as the
+        # item of its own that the final Response lists last.
+        if delta.reasoning and self.message_at is None and not self.call_at:
             if self.reasoning_at is None:
                 frames += self._open_reasoning()
             frames.append(self.event(
@@ -95,7 +98,7 @@ class _OutputItems:
         if not self.reasoning_open:
             return []
         self.reasoning_open = False
-        text = "".join(self.choice.reasoning)
+        text = reasoning_parts(self.choice)[0]
         where = {"item_id": self.builder.reasoning_id, "output_index": self.reasoning_at}
         return [self.event("response.reasoning_text.done", **where, content_index=0,
                            text=text),
@@ -103,8 +106,8 @@ class _OutputItems:
                            item=self.builder.reasoning(text, status))]
 
     def _late_reasoning(self, final: dict[str, Any]) -> list[bytes]:
-        """Reasoning written after the reply's first text (not streamed as it came: the
-        message was open), as the item the final Response lists last, whole."""
+        """Reasoning written after the reply's answer began (not streamed as it came: a
+        message or call was open), as the item the final Response lists last, whole."""
         item = final["output"][-1]
         if item["type"] != "reasoning" or item["id"] != self.builder.late_reasoning_id:
             return []
@@ -170,6 +173,7 @@ class _OutputItems:
             final = builder.response(status, choice, prompt_tokens)
             ended_in = next((i for i in final["output"] if i["type"] == "reasoning"), None)
             return self._close_reasoning(ended_in["status"] if ended_in else "completed") + [
+                *self._late_reasoning(final),
                 self.event(f"response.{status}", response=final)], final
         frames = self.open_message()  # a reply of nothing at all: an empty message
         assert self.message_at is not None
