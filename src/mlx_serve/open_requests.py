@@ -97,6 +97,8 @@ class OpenRequests:
 
     def _take_inbox(self) -> None:
         """Move the inbox into the waiting line, dropping whoever has left it."""
+        if not self._in_inbox and not self._waiting:  # most steps: nothing has arrived
+            return
         while True:
             try:
                 self._waiting.append(self._received(self._inbox.receive_nowait()))

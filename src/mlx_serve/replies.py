@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from mlx_serve.generation import Delta, PromptLogprobs, TokenLogprob
@@ -275,7 +276,8 @@ class ReplyShape:
                                     "logprobs": None, "finish_reason": None}
             frame = self._text_frames[index] = tuple(
                 json.dumps(self._envelope([item])).split(json.dumps(marker)))
-        return json.dumps(text).join(frame)
+        # json.dumps of a string with its defaults, without its two Python-level calls
+        return encode_basestring_ascii(text).join(frame)
 
     def delta_chunk(self, choice: Choice, delta: Delta, updates: list[CallUpdate]
                     ) -> str | None:

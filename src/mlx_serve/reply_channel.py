@@ -63,7 +63,10 @@ class ReplyChannel(Generic[T]):
         while not self._items:
             if self._producers <= 0 or self._consumer_gone:
                 return None
-            await self._wait()
+            try:
+                await self._waiter_future()
+            finally:
+                self._waiter = None
         return self._items[0]
 
     def __aiter__(self) -> ReplyChannel[T]:
@@ -73,7 +76,12 @@ class ReplyChannel(Generic[T]):
         while not self._items:
             if self._producers <= 0 or self._consumer_gone:
                 raise StopAsyncIteration
-            await self._wait()
+            # The future is awaited here, not in a coroutine of its own: one coroutine
+            # less to make and resume for every token a stream waits for.
+            try:
+                await self._waiter_future()
+            finally:
+                self._waiter = None
         return self._items.popleft()
 
     @property
@@ -92,12 +100,10 @@ class ReplyChannel(Generic[T]):
         self._items.clear()
         self._wake()
 
-    async def _wait(self) -> None:
+    def _waiter_future(self) -> asyncio.Future[None]:
+        """The future the consumer awaits until ``_wake`` (it resets ``_waiter`` after)."""
         self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
+        return self._waiter
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
