@@ -174,6 +174,13 @@ def test_the_sdks_stream_helper_rebuilds_the_call(agentic_server):
     (call,) = final.choices[0].message.tool_calls
     assert len(pieces) > 2 and "".join(pieces) == call.function.arguments
     assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    # A reply that opens with its call: content null in the first chunk, as OpenAI's, so
+    # the helper ends with the whole reply's None (before: "").
+    whole = chat(agentic_server, tools=BOUNDED_TOOLS, tool_choice=FORCED, max_tokens=80,
+                 temperature=1.0, seed=3, messages=[
+                     {"role": "user", "content": "Weather in Paris?"}]).json()["choices"][0]
+    assert whole["message"]["content"] is None
+    assert final.choices[0].message.content is None
 
 
 def test_a_call_cut_off_by_max_tokens_comes_back_as_far_as_it_was_written(agentic_server):

@@ -260,8 +260,11 @@ class ReplyShape:
         return self._envelope([{"index": index, "text": prompt, "logprobs": logprobs,
                                 "finish_reason": None}])
 
-    def role_chunk(self, index: int) -> dict:
-        return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+    def role_chunk(self, index: int, content: str | None = "") -> dict:
+        """The first chunk: ``content`` null where the reply opens with a tool call, as
+        OpenAI's does (the SDKs then end such a reply with content None, as whole)."""
+        return self._envelope([{"index": index,
+                                "delta": {"role": "assistant", "content": content},
                                 "logprobs": None, "finish_reason": None}])
 
     def text_chunk(self, index: int, text: str) -> str:

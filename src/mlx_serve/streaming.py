@@ -136,7 +136,7 @@ async def sse_events(
                 tracker.first_output()
             if shape.chat:
                 await failpoints.acheck("sse.send", users)
-            for frame in _opening_frames(shape, choices):
+            for frame in _opening_frames(shape, choices, await handle.peek()):
                 yield frame
             writes = _event_writes(handle, shape, state, merge_text, failpoints, users,
                                    ping_seconds, end)
@@ -193,11 +193,16 @@ def _closing_frames(shape: ReplyShape, state: list[Choice]) -> list[bytes]:
     return [*usage, DONE]
 
 
-def _opening_frames(shape: ReplyShape, choices: int) -> list[bytes]:
+def _opening_frames(shape: ReplyShape, choices: int, first: ReplyEvent | None
+                    ) -> list[bytes]:
     """The chat's role chunks, or a completion's echoed prompts: they come first (echoes
-    with logprobs come as soon as their scores do, with the choice's first delta)."""
+    with logprobs come as soon as their scores do, with the choice's first delta). A
+    lone choice whose first event opens a tool call says content null, as OpenAI's."""
     if shape.chat:
-        return [_frame(json.dumps(shape.role_chunk(i))) for i in range(choices)]
+        opens_call = (choices == 1 and isinstance(first, Delta) and not first.text
+                      and not first.reasoning and bool(first.tool_calls or first.tool_text))
+        content = None if opens_call else ""
+        return [_frame(json.dumps(shape.role_chunk(i, content))) for i in range(choices)]
     echoes = {} if shape.echo_waits_for_scores else shape.echo
     return [_frame(json.dumps(shape.echo_chunk(i, prompt))) for i, prompt in echoes.items()]
 
