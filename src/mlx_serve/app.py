@@ -21,7 +21,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from mlx_serve.body_budget import BodyBudget
-from mlx_serve.config import Settings, describe_invalid, unknown_environment
+from mlx_serve.config import LOG_FORMAT, Settings, describe_invalid, unknown_environment
 from mlx_serve.engine import Engine, EngineState
 from mlx_serve.engine_setup import (
     engine_config,
@@ -187,7 +187,7 @@ def _log_somewhere(level: str) -> None:
     if log.handlers or logging.getLogger().handlers:
         return  # mlx-serve's basicConfig, a test runner, or the deployment's own
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     log.addHandler(handler)
     log.setLevel(level.upper())
 

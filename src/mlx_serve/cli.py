@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import uvicorn
 from pydantic import ValidationError
 
-from mlx_serve.config import Settings, describe_invalid
+from mlx_serve.config import LOG_FORMAT, Settings, describe_invalid
 from mlx_serve.preload import reexec_with_preloads
 
 
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     reexec_with_preloads(argv, settings.openblas, settings.jemalloc)
     logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=LOG_FORMAT)
     from mlx_serve.app import create_app
     from mlx_serve.http_deadlines import uvicorn_protocol, with_deadlines
     from mlx_serve.serving import DrainingServer

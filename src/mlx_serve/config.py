@@ -16,6 +16,9 @@ from mlx_serve.failpoints import KNOWN_SITES, FailPoints
 ENV_PREFIX = "MLX_SERVE_"
 LOOPBACK_NAMES = {"localhost"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# The server's log lines, wherever it sets up logging itself (mlx-serve, plain uvicorn,
+# the engine process).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def is_loopback(host: str) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 
 import anyio
 
-from mlx_serve.config import Settings
+from mlx_serve.config import LOG_FORMAT, Settings
 from mlx_serve.engine import Engine, EngineState
 from mlx_serve.engine_setup import (
     engine_config,
@@ -218,8 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--settings", required=True, help="the server's Settings as JSON")
     args = parser.parse_args(argv)
     settings = Settings.model_validate_json(args.settings)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
