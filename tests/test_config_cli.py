@@ -117,6 +117,23 @@ def test_empty_settings_are_unset_and_an_empty_host_is_refused(monkeypatch):
         Settings(host="")
 
 
+def test_every_empty_variable_is_its_setting_unset(monkeypatch):
+    # Before, only six settings took an empty variable for unset: MLX_SERVE_PORT= and
+    # MLX_SERVE_ACCESS_LOG= stopped the server (plain uvicorn too) with exit status 2.
+    defaults = Settings()
+    for name in Settings.model_fields:
+        monkeypatch.setenv(f"MLX_SERVE_{name.upper()}", "")
+    assert Settings() == defaults
+
+
+def test_a_cache_folder_under_home_is_expanded(monkeypatch, tmp_path):
+    # A unit file's or a Kubernetes env entry's "~" reaches us unexpanded; before, the
+    # default model was converted into a folder named "~" under the working directory.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MLX_SERVE_CACHE_DIR", "~/models")
+    assert Settings().cache_dir == tmp_path / "models"
+
+
 def test_an_api_key_from_a_file_loses_its_newline(monkeypatch):
     monkeypatch.setenv("MLX_SERVE_API_KEY", "sekret-key-123\n")
     assert Settings().api_key == "sekret-key-123"  # no header can carry the newline

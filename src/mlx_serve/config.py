@@ -33,7 +33,10 @@ def is_loopback(host: str) -> bool:
 class Settings(BaseSettings):
     """Every knob of the server. Field descriptions double as ``--help`` text."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+    # An empty variable (a deployment template's unset value) is no setting, for every
+    # setting: MLX_SERVE_PORT= is the default port, not an error.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore",
+                                      env_ignore_empty=True)
 
     model: str | None = Field(
         None, description="mlx-lm model folder or Hugging Face repo id (default: embedded model)"
@@ -174,6 +177,12 @@ class Settings(BaseSettings):
         # MLX_SERVE_MODEL= (a template's unset value) is no setting, not "." (the working
         # directory, served as a model).
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _home_expanded(cls, folder: Path | None) -> Path | None:
+        # "~/models" from a unit file or a Kubernetes env entry, where no shell expands it.
+        return folder.expanduser() if folder is not None else None
 
     @field_validator("model")
     @classmethod
