@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +25,7 @@ def fake_libraries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str,
     monkeypatch.setattr(preload, "OPENBLAS", (str(tmp_path / "absent.so"), paths["openblas"]))
     monkeypatch.setattr(preload, "JEMALLOC", (paths["jemalloc"],))
     monkeypatch.setattr(preload, "_mapped", lambda name: False)
+    monkeypatch.setattr(preload, "openblas_active", lambda: False)
     return paths
 
 
@@ -82,3 +85,36 @@ def test_the_server_runs_with_jemalloc_unless_told_not_to(tiny_model_dir, tmp_pa
         server.wait_ready()
         assert ("libjemalloc" in _mapped_libraries(server.proc.pid)) is mapped
         assert ("jemalloc is active" in server.log_text()) is mapped
+
+
+def _openblas_active_in_a_process(preloaded: str) -> str:
+    code = ("import numpy, mlx.core; from mlx_serve.preload import openblas_active; "
+            "print(openblas_active())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "LD_PRELOAD": preloaded})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's loader")
+def test_numpys_own_openblas_does_not_count_as_mlxs():
+    # numpy maps its bundled OpenBLAS (other symbol names, never called by MLX); the
+    # check looked for "openblas" among the mapped files, so --no-openblas still logged
+    # OpenBLAS as active and served the default model as float32 on the slow BLAS.
+    assert _openblas_active_in_a_process("") == "False"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or preload.find_openblas() is None,
+                    reason="Debian's OpenBLAS not installed")
+def test_preloaded_openblas_counts_as_mlxs():
+    assert _openblas_active_in_a_process(str(preload.find_openblas())) == "True"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or preload.find_openblas() is None,
+                    reason="Debian's OpenBLAS not installed")
+@pytest.mark.parametrize("flag, active", [([], True), (["--no-openblas"], False)])
+def test_the_server_says_whether_it_has_openblas(tiny_model_dir, tmp_path, flag, active):
+    with ServerProcess(tiny_model_dir, tmp_path / "server.log", args=flag,
+                       env={"LD_PRELOAD": ""}) as server:
+        server.wait_ready()
+        assert ("OpenBLAS is active" in server.log_text()) is active

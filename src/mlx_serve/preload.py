@@ -19,6 +19,7 @@ once with ``LD_PRELOAD`` set.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -60,8 +61,32 @@ def _mapped(name: str) -> bool:
         return False
 
 
+class _SymbolInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _global_provider(symbol: str) -> str | None:
+    """The file of the library that the process-wide lookup of ``symbol`` finds (the
+    executable's, a preloaded library's), symlinks resolved; None where none has it."""
+    try:
+        process = ctypes.CDLL(None)
+        address = ctypes.cast(getattr(process, symbol), ctypes.c_void_p).value
+        info = _SymbolInfo()
+        if not address or not process.dladdr(ctypes.c_void_p(address), ctypes.byref(info)):
+            return None
+    except (AttributeError, OSError):  # not there, or no dladdr (not glibc)
+        return None
+    return os.path.realpath(os.fsdecode(info.dli_fname)) if info.dli_fname else None
+
+
 def openblas_active() -> bool:
-    return _mapped("openblas")
+    """Whether MLX's float32 matmuls get OpenBLAS: mlx's CPU wheel calls ``cblas_sgemm``
+    of its own bundled reference BLAS unless a library in the process-wide scope (the
+    preloaded one) provides it. Not whether some OpenBLAS is mapped: numpy maps its own,
+    under other symbol names, which MLX never calls."""
+    provider = _global_provider("cblas_sgemm")
+    return provider is not None and "openblas" in provider
 
 
 def jemalloc_active() -> bool:
