@@ -174,8 +174,8 @@ class Settings(BaseSettings):
                      "failpoints", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
-        # MLX_SERVE_MODEL= (a template's unset value) is no setting, not "." (the working
-        # directory, served as a model).
+        # A blank value given directly (an empty environment variable is dropped before
+        # this) is no setting: a blank model is not "." (the working directory).
         return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("cache_dir")
