@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,14 @@ from benchmarks.memory import rss_run
 from benchmarks.placement import keep_off, machine_vcpus, pin_stepping
 from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
 from benchmarks.server_load import measured_load
-from benchmarks.servers import NativeLibs, ServerProcess, mlx_lm_command, mlx_serve_command, spawn
+from benchmarks.servers import (
+    NativeLibs,
+    ServerProcess,
+    mlx_lm_command,
+    mlx_serve_command,
+    spawn,
+    stop_on_signals,
+)
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -210,10 +216,6 @@ def start_servers(config: ABConfig, model_path: str, workdir: Path, native: Nati
     return servers
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str],
            rss_warmup: int | None = None) -> dict[str, Any]:
     """The whole A/B (or the memory mode); an interrupt keeps what was measured so far."""
@@ -249,7 +251,8 @@ def run_ab(config: ABConfig, rss_requests: int | None, argv: list[str],
     except KeyboardInterrupt:
         report["interrupted"] = True
         print("interrupted; every started server has been stopped", file=sys.stderr)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # a contender failed: keep the rest
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:  # a contender
+        # failed (a server that did not start in time included): keep the runs measured
         report["error"] = f"{type(exc).__name__}: {exc}"
         print(f"stopped: {report['error']}", file=sys.stderr)
     if runner is not None and runner.runs:
@@ -262,10 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    # A shell may start us with SIGINT ignored (background jobs): take it back, so Ctrl-C
-    # and SIGTERM both end the run through the servers' stop.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    stop_on_signals()
     report = run_ab(config, args.rss_run, argv, args.rss_warmup)
     out = Path(args.out) if args.out else RESULTS_DIR / f"ab-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(report, indent=2))

@@ -57,6 +57,7 @@ from benchmarks.servers import (
     add_shape_args,
     mlx_serve_command,
     spawn,
+    stop_on_signals,
 )
 from benchmarks.stalls import describe_stalls, read_stalls, with_stall_log
 from benchmarks.threads import describe_threads
@@ -121,13 +122,32 @@ class _Variants:
             self.started += 1
             servers[name] = spawn(
                 f"variant-{self.started}",
-                lambda port: mlx_serve_command(self.model, port, self.batch), self.workdir,
-                {**self.native.env(), **self.extra[name]}, stack)
+                lambda port, env=self.extra[name]: without_flags_set_in(
+                    mlx_serve_command(self.model, port, self.batch), env),
+                self.workdir, {**self.native.env(), **self.extra[name]}, stack)
         for i, server in enumerate(servers.values()):
             server.wait_ready(self.args.startup_timeout)
             warm_up(Target(server.base_url), self.tokenizer, self.args.prompt_tokens,
                     max(self.args.concurrency), 999_999 + i)
         return servers
+
+
+def without_flags_set_in(command: list[str], env: dict[str, str]) -> list[str]:
+    """``command`` without the flags (and their values) that ``env`` sets as
+    ``MLX_SERVE_*`` variables: a flag wins over its variable, so a variant such as
+    ``MLX_SERVE_DECODE_BATCH_SIZE=64`` would otherwise change nothing."""
+    flags = {"--" + key.removeprefix("MLX_SERVE_").lower().replace("_", "-")
+             for key in env if key.startswith("MLX_SERVE_")}
+    kept: list[str] = []
+    skip_value = False
+    for word in command:
+        if skip_value:
+            skip_value = False
+        elif word in flags:
+            skip_value = True
+        else:
+            kept.append(word)
+    return kept
 
 
 def _name(env: dict[str, str]) -> str:
@@ -241,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if len(args.variant) < 2:
         raise SystemExit("give at least two --variant")
+    stop_on_signals()
     report = run(args)
     out = Path(args.out) if args.out else RESULTS_DIR / "env-ab.json"
     out.write_text(json.dumps(report, indent=1))

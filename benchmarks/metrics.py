@@ -154,7 +154,7 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
     )
     if "client_cpu" in summary:
         lines.append(f"load generator CPU {summary['client_cpu']:.2f} cores")
-    lines.append(f"{'ms':<6}{'p50':>10}{'p90':>10}{'p99':>10}")
+    lines.append(f"{'ms':<6}" + "".join(f"{f'p{p}':>10}" for p in PERCENTILES))
     for name in LATENCY_METRICS:
         row = summary[f"{name}_ms"]
         lines.append(f"{name.upper():<6}" + "".join(f"{_fmt(row[f'p{p}']):>10}"

@@ -46,7 +46,7 @@ from benchmarks.ab import RESULTS_DIR
 from benchmarks.contenders import MODEL_HELP, resolve_model_path, resolve_native, rotated
 from benchmarks.engine_worker import EngineWorker, harness_command, job_files, job_result
 from benchmarks.host import busy_vcpus, cpu_times, describe_quiet, quiet
-from benchmarks.servers import BatchConfig, add_shape_args
+from benchmarks.servers import BatchConfig, add_shape_args, stop_on_signals
 from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 _SPIN = """
@@ -225,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_on_signals()
     variants = list(dict.fromkeys(args.variant or [ALONE, ("spin", "2")]))
     if ALONE not in variants:
         variants.insert(0, ALONE)

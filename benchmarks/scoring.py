@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from benchmarks.contenders import resolve_model_path, resolve_native
-from benchmarks.servers import BatchConfig, mlx_serve_command, spawn
+from benchmarks.servers import BatchConfig, mlx_serve_command, spawn, stop_on_signals
 from benchmarks.workload import build_prompts, load_tokenizer
 
 KINDS = ("plain", "scored")
@@ -73,6 +73,7 @@ async def send_all(base_url: str, prompts: list[str], concurrency: int, extra: d
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_signals()
     extras = {"plain": {}, "scored": {"echo": True, "logprobs": args.logprobs}}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model = resolve_model_path(args.model, Path(tmp))

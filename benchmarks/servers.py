@@ -74,6 +74,19 @@ class NativeLibs:
                 "--jemalloc" if self.jemalloc else "--no-jemalloc"]
 
 
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def stop_on_signals() -> None:
+    """Make Ctrl-C and SIGTERM end the tool through its ``finally`` blocks, so that the
+    servers and helper processes it started (each in its own session, out of reach of a
+    signal to the tool's process group) are stopped too. A shell may start a background
+    job with SIGINT ignored: it is taken back."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
 def mlx_serve_command(model: str, port: int, batch: BatchConfig) -> list[str]:
     return [sys.executable, "-m", "mlx_serve", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--decode-batch-size", str(batch.decode_batch_size),

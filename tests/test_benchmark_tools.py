@@ -5,9 +5,11 @@ buffers, text cost)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,7 +42,11 @@ async def test_the_load_generator_counts_streamed_tokens_and_probes_health(
     assert len(summary["health"]["in_order_ms"]) == summary["health"]["probes"]
     assert max(summary["health"]["in_order_ms"]) > 0
     slowest = max(summary["health"]["in_order_ms"])
-    assert f"max {slowest:.1f} ms" in format_table(summary, "run")
+    table = format_table(summary, "run").splitlines()
+    assert f"max {slowest:.1f} ms" in table[-1]
+    header = next(line for line in table if line.startswith("ms"))
+    ttft = next(line for line in table if line.startswith("TTFT"))
+    assert len(header.split()) == len(ttft.split())  # a label over every column
 
 
 async def test_a_server_that_is_not_there_fails_every_request_without_hanging():
@@ -152,6 +158,22 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
     assert "MLX thread busy share" not in ab.format_ratios(report["ratios"])  # no pair
     with pytest.raises(httpx.ConnectError):  # stopped once its run was over
         httpx.get(served["target"]["base_url"] + "/health", timeout=5)
+
+
+def test_a_server_that_misses_its_start_in_an_isolated_ab_keeps_the_runs_before(
+        tiny_model_dir, tmp_path, monkeypatch):
+    from benchmarks import ab
+
+    monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
+    config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(2,), rounds=1,
+                         prompt_tokens=16, output_tokens=8, requests_per_stream=1,
+                         min_requests=2, batch=BatchConfig(8, 8, 512),
+                         run_time_limit=60.0, health_probe=None, blas="reference",
+                         targets=(ab.ENGINE, ab.OURS), isolate=True, startup_timeout=0.05)
+    report = ab.run_ab(config, None, ["--isolate"])
+    # Before, the TimeoutError ended ab with a traceback and no results written.
+    assert report["error"].startswith("TimeoutError: mlx_serve not ready")
+    assert [r["target"] for r in report["runs"]] == [ab.ENGINE]
 
 
 def test_the_ab_runner_keeps_one_engine_process_for_every_engine_run_and_stops_it(
@@ -285,6 +307,58 @@ def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatc
         assert r["summary"]["cpu_ms_per_token"] > 0
         assert r["summary"]["host"]["cpu_probe_ms"]["samples"] >= 1
         assert r["summary"]["cpu_ms_per_token_by_thread"]["stepping"] > 0
+
+
+def test_an_env_ab_variant_setting_a_flag_of_the_base_command_replaces_it():
+    from benchmarks.env_ab import without_flags_set_in
+    from benchmarks.servers import mlx_serve_command
+
+    command = mlx_serve_command("m", 8000, BatchConfig(64, 8, 512))
+    # A flag wins over its variable: before, this variant ran with --decode-batch-size 64.
+    varied = without_flags_set_in(command, {"MLX_SERVE_DECODE_BATCH_SIZE": "8",
+                                            "OPENBLAS_NUM_THREADS": "1"})
+    assert "--decode-batch-size" not in varied and "64" not in varied
+    assert varied == [w for w in command if w not in ("--decode-batch-size", "64")]
+    assert without_flags_set_in(command, {"OPENBLAS_NUM_THREADS": "1"}) == command
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_env_ab_stopped_by_sigterm_stops_its_servers(tiny_model_dir, tmp_path):
+    # Its servers run in sessions of their own, out of reach of a signal to its group:
+    # before, `timeout` (SIGTERM) left both servers running.
+    tool = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.env_ab", "--model", str(tiny_model_dir),
+         "--variant", "-", "--variant", "OPENBLAS_NUM_THREADS=1", "--concurrency", "2",
+         "--rounds", "50", "--prompt-tokens", "16", "--output-tokens", "64",
+         "--decode-batch-size", "8", "--out", str(tmp_path / "out.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert tool.stdout is not None
+        for line in tool.stdout:  # the first measured run: both servers are up
+            if line.startswith("round 0"):
+                break
+        servers = _children(tool.pid)
+        assert len(servers) == 2
+        tool.send_signal(signal.SIGTERM)
+        tool.communicate(timeout=60)
+    finally:
+        if tool.poll() is None:
+            tool.kill()
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in servers):
+        assert time.monotonic() < deadline, "a server outlived env_ab"
+        time.sleep(0.1)
 
 
 def test_env_ab_warms_each_shared_server_with_one_uncounted_run(tiny_model_dir, tmp_path,
