@@ -49,7 +49,7 @@ from benchmarks.servers import (
     spawn,
     stop_on_signals,
 )
-from benchmarks.workload import Workload, build_prompts, load_tokenizer
+from benchmarks.workload import Workload, build_prompts, chat_prompt_ids, load_tokenizer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -143,8 +143,13 @@ class ABRunner:
     def run_engine(self, workload: Workload, prompts: list[str],
                    warmup: list[str]) -> dict[str, Any]:
         """The engine harness on these prompts: in its kept process, or a fresh one."""
-        prompts_file, out = job_files(self.workdir, prompts, warmup)
         cfg, log_path = self.config, self.workdir / "engine.log"
+        if cfg.api == "chat":  # the servers run the chat template's tokens: so must it
+            prompts_file, out = job_files(
+                self.workdir, [chat_prompt_ids(self.tokenizer, p) for p in prompts],
+                [chat_prompt_ids(self.tokenizer, p) for p in warmup])
+        else:
+            prompts_file, out = job_files(self.workdir, prompts, warmup)
         command = harness_command(self.model_path, cfg.batch, cfg.engine_one_array_logprobs,
                                   cfg.engine_early_decode_join)
         if cfg.engine_kept:

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -237,16 +237,21 @@ def load_harness(model_path: str, batch: BatchSettings, detokenize: bool = True,
     return EngineHarness(model, tokenizer, batch, detokenize)
 
 
-def measure(harness: EngineHarness, model_path: str, workload: Workload, prompts: list[str],
-            warmup_prompts: list[str], beside: dict[str, float] | None = None
-            ) -> dict[str, Any]:
-    """Warm up, run the workload; return the loadgen-shaped result. ``beside``
+def measure(harness: EngineHarness, model_path: str, workload: Workload,
+            prompts: Sequence[str | list[int]], warmup_prompts: Sequence[str | list[int]],
+            beside: dict[str, float] | None = None) -> dict[str, Any]:
+    """Warm up, run the workload; return the loadgen-shaped result. A prompt is a text
+    (encoded as the completions endpoint does) or token ids (a chat prompt). ``beside``
     (``{"work_us": W, "period_ms": P}``) runs a ``BesideThread`` through the run."""
     tokenizer = harness.tokenizer
-    encode = [list(tokenizer.encode(p)) for p in prompts]
+
+    def ids(prompt: str | list[int]) -> list[int]:  # a text, or token ids already
+        return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+
+    encode = [ids(p) for p in prompts]
     if warmup_prompts:
         warm = Workload(workload.prompt_tokens, workload.output_tokens, len(warmup_prompts), 1)
-        harness.run([list(tokenizer.encode(p)) for p in warmup_prompts], warm)
+        harness.run([ids(p) for p in warmup_prompts], warm)
     stepping = threading.get_native_id()  # the harness steps in this thread
     cpu_start, threads_start = time.process_time(), thread_times()
     detail_start = read_thread(stepping)

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,8 @@ def workload_flags(workload: Workload) -> list[str]:
               if workload.long_output_tokens is not None else [])]
 
 
-def job_files(workdir: Path, prompts: list[str], warmup: list[str]) -> tuple[Path, Path]:
+def job_files(workdir: Path, prompts: Sequence[str | list[int]],
+              warmup: Sequence[str | list[int]]) -> tuple[Path, Path]:
     """A run's prompts file, written, and its result file, cleared (never report an
     earlier run's result as this one's)."""
     prompts_file, out = workdir / "prompts.json", workdir / "engine.json"

@@ -93,6 +93,15 @@ def load_tokenizer(path: str) -> Tokenizer:
     return cast(Tokenizer, AutoTokenizer.from_pretrained(path))
 
 
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """The token ids a server runs for a chat request of one user message ``text``: the
+    model's chat template with its generation prompt, as mlx_serve and mlx_lm.server
+    render it (the template's text, encoded without adding special tokens again)."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
 def word_pieces(tokenizer: Tokenizer) -> list[str]:
     """Vocabulary entries of the form " word" that encode back to exactly one token."""
     vocab_size = len(tokenizer)  # type: ignore[arg-type]

@@ -176,6 +176,25 @@ def test_a_server_that_misses_its_start_in_an_isolated_ab_keeps_the_runs_before(
     assert [r["target"] for r in report["runs"]] == [ab.ENGINE]
 
 
+def test_ab_over_chat_gives_the_engine_the_chat_templates_tokens(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    from benchmarks import ab
+
+    monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
+    config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(2,), rounds=1,
+                         prompt_tokens=16, output_tokens=8, requests_per_stream=1,
+                         min_requests=2, batch=BatchConfig(8, 8, 512), api="chat",
+                         run_time_limit=60.0, health_probe=None, blas="reference",
+                         targets=(ab.ENGINE, ab.OURS), warm_run=False)
+    report = ab.run_ab(config, None, [])
+    assert "error" not in report
+    prompt_tokens = {r["target"]: r["result"]["summary"]["prompt_tokens"]
+                     for r in report["runs"]}
+    # Before, the engine ran the bare text (16 tokens a prompt) where the server ran the
+    # chat template around it: different work under one ratio.
+    assert prompt_tokens[ab.ENGINE] == prompt_tokens[ab.OURS] > 2 * 16
+
+
 def test_the_ab_runner_keeps_one_engine_process_for_every_engine_run_and_stops_it(
         tiny_model_dir, tmp_path, monkeypatch, capsys):
 
