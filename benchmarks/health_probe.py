@@ -66,5 +66,15 @@ class HealthProbe:
             return []
 
 
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] in ("-h", "--help"):
+        print("usage: python -m benchmarks.health_probe BASE_URL INTERVAL_SECONDS\n"
+              "polls GET /health until standard input closes, then prints the samples "
+              "(seconds, success) as JSON", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    print(json.dumps(probe_until_stdin_closes(argv[0], float(argv[1]))))
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(probe_until_stdin_closes(sys.argv[1], float(sys.argv[2]))))
+    sys.exit(main(sys.argv[1:]))

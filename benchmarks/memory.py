@@ -67,7 +67,7 @@ def rss_run(server: ServerProcess, runner: ABRunner, requests: int,
         "memory_after": (health_after or {}).get("memory"),
         "completed": result["summary"]["completed"], "failed": result["summary"]["failed"],
         "rss_before_mib": round(before / mib, 1), "rss_after_mib": round(after / mib, 1),
-        "rss_max_mib": round(max(samples, default=after) / mib, 1),
+        "rss_max_mib": round(max([*samples, before, after]) / mib, 1),
         "drift_percent": round(100.0 * (after - before) / before, 2),
         "summary": result["summary"],
     }
