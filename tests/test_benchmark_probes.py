@@ -320,6 +320,21 @@ def test_the_admission_probe_splits_each_requests_first_token_in_a_real_server(
     assert "| round 0 c=1 mlx_serve | 3 |" in format_runs(by_run(results, rows))
 
 
+def test_the_admission_probe_leaves_no_file_from_a_process_that_serves_nothing(tmp_path):
+    # The load generator and the probes start with the same PYTHONPATH; before, each
+    # left an empty PATH.<pid> beside the server's.
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MLX_ADMISSION_PROBE_OUT": str(tmp_path / "admission"),
+           "PYTHONPATH": os.pathsep.join([str(root / "benchmarks" / "admission_probe"),
+                                          str(root / "src"), str(root)])}
+    done = subprocess.run([sys.executable, "-c", "import sitecustomize; "
+                           "assert sitecustomize._OUT"], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "not installed" not in done.stderr
+    assert not list(tmp_path.glob("admission.*"))
+
+
 def test_the_phase_report_pools_the_windows_inside_each_runs_span():
     def window(end: float, cpu: float) -> dict:
         # 10 steps of 100 ms: the window covers [end - 1, end].
