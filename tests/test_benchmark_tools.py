@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,6 +100,19 @@ def test_rounds_stop_at_the_time_limit_once_each_contender_has_gone_first_as_oft
     assert not round_may_start(2, 2, 3.0, 0.0)
 
 
+def _small_ab(model_dir: Path, **overrides: Any) -> Any:
+    """An A/B of the engine and mlx_serve: two 8-token requests at two streams, one
+    round, on the reference BLAS."""
+    from benchmarks import ab
+
+    shape: dict[str, Any] = dict(
+        model=str(model_dir), concurrencies=(2,), rounds=1, prompt_tokens=16,
+        output_tokens=8, requests_per_stream=1, min_requests=2,
+        batch=BatchConfig(8, 8, 512), run_time_limit=60.0, health_probe=None,
+        blas="reference", targets=(ab.ENGINE, ab.OURS))
+    return ab.ABConfig(**{**shape, **overrides})
+
+
 def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
         tiny_model_dir, tmp_path, monkeypatch):
     import httpx
@@ -106,12 +120,7 @@ def test_the_ab_runner_isolated_measures_engine_and_server_and_stops_the_server(
     from benchmarks import ab
 
     monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
-    config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(2,), rounds=1,
-                         prompt_tokens=16, output_tokens=8, requests_per_stream=1,
-                         min_requests=2, batch=BatchConfig(8, 8, 512),
-                         run_time_limit=60.0, health_probe=None, blas="reference",
-                         targets=(ab.ENGINE, ab.OURS), isolate=True,
-                         engine_one_array_logprobs=True)
+    config = _small_ab(tiny_model_dir, isolate=True, engine_one_array_logprobs=True)
     report = ab.run_ab(config, None, ["--isolate"])
     assert "error" not in report
     runs = {r["target"]: r["result"] for r in report["runs"]}
@@ -165,11 +174,7 @@ def test_a_server_that_misses_its_start_in_an_isolated_ab_keeps_the_runs_before(
     from benchmarks import ab
 
     monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
-    config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(2,), rounds=1,
-                         prompt_tokens=16, output_tokens=8, requests_per_stream=1,
-                         min_requests=2, batch=BatchConfig(8, 8, 512),
-                         run_time_limit=60.0, health_probe=None, blas="reference",
-                         targets=(ab.ENGINE, ab.OURS), isolate=True, startup_timeout=0.05)
+    config = _small_ab(tiny_model_dir, isolate=True, startup_timeout=0.05)
     report = ab.run_ab(config, None, ["--isolate"])
     # Before, the TimeoutError ended ab with a traceback and no results written.
     assert report["error"].startswith("TimeoutError: mlx_serve not ready")
@@ -181,11 +186,7 @@ def test_ab_over_chat_gives_the_engine_the_chat_templates_tokens(tiny_model_dir,
     from benchmarks import ab
 
     monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
-    config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(2,), rounds=1,
-                         prompt_tokens=16, output_tokens=8, requests_per_stream=1,
-                         min_requests=2, batch=BatchConfig(8, 8, 512), api="chat",
-                         run_time_limit=60.0, health_probe=None, blas="reference",
-                         targets=(ab.ENGINE, ab.OURS), warm_run=False)
+    config = _small_ab(tiny_model_dir, api="chat", warm_run=False)
     report = ab.run_ab(config, None, [])
     assert "error" not in report
     prompt_tokens = {r["target"]: r["result"]["summary"]["prompt_tokens"]
@@ -231,12 +232,7 @@ def test_the_ab_runner_pins_both_stepping_threads_to_one_vcpu_and_the_rest_elsew
     monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
     vcpus = sorted(os.sched_getaffinity(0))
     cpu = vcpus[-1]
-    config = ab.ABConfig(model=str(tiny_model_dir), concurrencies=(2,), rounds=1,
-                         prompt_tokens=16, output_tokens=8, requests_per_stream=1,
-                         min_requests=2, batch=BatchConfig(8, 8, 512),
-                         run_time_limit=60.0, health_probe=None, blas="reference",
-                         targets=(ab.ENGINE, ab.OURS), settle=0.05, pin_stepping=cpu,
-                         warm_run=False)
+    config = _small_ab(tiny_model_dir, settle=0.05, pin_stepping=cpu, warm_run=False)
     try:
         report = ab.run_ab(config, None, [])
         # The load generator (this thread) and what it started were kept off the vCPU.
