@@ -158,6 +158,33 @@ def test_a_request_in_too_many_failed_steps_is_isolated_even_with_good_steps_bet
     assert i == 7  # on its eighth failed step
 
 
+def test_innocents_outlive_poison_requests_sent_one_after_another():
+    # Each poison's failed steps and probes took the innocent requests along; before,
+    # they added up over the poisons until the third or fourth failed every innocent.
+    innocents = {f"r{i}" for i in range(8)}
+    iso = Isolation(max_failed_rebuilds=3, max_alone_failures=2, max_involvement=8)
+    for k in range(6):
+        poison = f"p{k}"
+        assert run_until_settled(iso, innocents | {poison}, poison=poison) == {poison}
+        iso.forget([poison])
+
+
+def test_rare_transient_failures_do_not_add_up_over_a_long_reply():
+    iso = Isolation(max_failed_rebuilds=3, max_involvement=8, forgive_after_good_steps=16)
+    for _ in range(20):  # a failed step every 50, each replayed with success
+        for _ in range(50):
+            assert iso.on_success(ALL) is None
+        decision = iso.on_failure(ALL)
+        assert decision == Decision(batch=None)  # replay everything, fail nobody
+        iso.on_success(ALL)
+    # Failing every other step is no transient fault: still bounded.
+    isolated: set[str] = set()
+    for _ in range(8):
+        isolated |= iso.on_failure(ALL).isolate
+        iso.on_success(ALL)
+    assert isolated == ALL
+
+
 def test_a_reset_recovery_treats_the_next_failure_as_a_first_one():
     iso = Isolation(max_failed_rebuilds=3)
     iso.on_failure({"a", "b", "c"})  # replay

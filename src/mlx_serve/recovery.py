@@ -18,6 +18,13 @@ itself is broken. Isolating the culprit restarts the streak; but
 engine is broken (every request looks guilty), or only that one client sent failing
 requests one after another. The actor then runs the self-test again: if it passes,
 serving goes on; the next such run of isolations before any good step is fatal.
+
+A request also ends (isolated) once it has taken part in ``max_involvement`` failed
+steps, so that one which makes steps fail now and then cannot go on doing so. What the
+requests of a failed step shared is forgiven once a culprit is isolated (the failures
+were its) and after ``forgive_after_good_steps`` good steps in a row (they were rare,
+transient faults): before, a few poison requests in a row, or a 1 % rate of transient
+step faults, failed every long request in the batch with them.
 """
 
 from __future__ import annotations
@@ -40,9 +47,13 @@ class Decision:
 class Isolation:
     max_failed_rebuilds: int = 3
     max_alone_failures: int = 2
-    # Failed steps a request may take part in over its life, good steps between them or
-    # not: a request that makes every other step fail can never loop forever.
+    # Failed steps a request may take part in, good steps between them or not: a
+    # request that makes every other step fail cannot go on failing steps for long. Two
+    # things forgive what the requests in a failed step shared: isolating a culprit (it
+    # explains them), and this many good steps in a row (the faults before were rare,
+    # transient ones, which must not add up over a long reply to fail it).
     max_involvement: int = 8
+    forgive_after_good_steps: int = 16
     failure_streak: int = 0
     isolations_in_a_row: int = 0  # isolations with no good step between them
     self_tested: bool = False  # a self-test has passed since the last good step
@@ -51,6 +62,7 @@ class Isolation:
     _pending: list[frozenset[str]] = field(default_factory=list)
     _alone_failures: dict[str, int] = field(default_factory=dict)
     _involvement: dict[str, int] = field(default_factory=dict)
+    _good_steps: int = 0  # good steps in a row since the last failed one
 
     @property
     def recovering(self) -> bool:
@@ -59,6 +71,9 @@ class Isolation:
     def on_failure(self, in_step: Collection[str]) -> Decision:
         """The step over ``in_step`` raised. Decide the next batch."""
         probing = self._probing is not None
+        if self._good_steps >= self.forgive_after_good_steps:
+            self._involvement.clear()
+        self._good_steps = 0
         if not probing:  # a whole batch failed
             self.failure_streak += 1
             if self.failure_streak > self.max_failed_rebuilds:
@@ -79,6 +94,7 @@ class Isolation:
             self._alone_failures[rid] = self._alone_failures.get(rid, 0) + 1
             if self._alone_failures[rid] >= self.max_alone_failures:
                 isolate = group
+                self._involvement.clear()  # the failed steps the others shared are its
                 # Finding the culprit is progress: the streak starts again. But if every
                 # request we try turns out to be a "culprit", the engine is what's broken.
                 self.failure_streak = 0
@@ -106,6 +122,8 @@ class Isolation:
         self.failure_streak = 0
         self.isolations_in_a_row = 0
         self.self_tested = False
+        if in_step:
+            self._good_steps += 1
         if self._probing is None and not self._pending:
             self._replayed = False
             return None
@@ -113,7 +131,7 @@ class Isolation:
 
     def reset(self) -> None:
         """Forget a recovery that has no request left in it: a clean slate."""
-        self.failure_streak = self.isolations_in_a_row = 0
+        self.failure_streak = self.isolations_in_a_row = self._good_steps = 0
         self._replayed, self._probing = False, None
         self._pending.clear()
         self._alone_failures.clear()

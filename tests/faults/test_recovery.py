@@ -141,6 +141,36 @@ async def test_poison_request_is_isolated_and_the_rest_complete_exactly(
     assert_log_clean(server, allowed=["poisoned"])
 
 
+async def test_poison_requests_one_after_another_fail_alone(launch, reference, model_name):
+    """A client sends poison requests one after another while long healthy ones run.
+    Each poison's failed steps and probes take the healthy requests along; before, that
+    added up until the third poison failed every healthy request with it (a 500 that
+    said not to retry). Only the poisons fail; the rest complete exactly."""
+    server = launch(failpoints="engine.step[user=poison]=raise(ValueError:poisoned)")
+    bodies = [chat_body(i, max_tokens=1000, ignore_eos=True) for i in range(6)]
+    expected = await reference.outcomes(bodies)
+    poisons, running_after = [], None
+
+    async def poison_after_poison() -> None:
+        nonlocal running_after
+        await wait_for_requests(client, len(bodies))
+        for k in range(4):
+            poisons.append(await call(client, {**chat_body(k), "user": "poison"}, False)())
+        running_after = (await health(client))[1]["running"]
+
+    with anyio.fail_after(SCENARIO_S):
+        async with http_client(server) as client:
+            replies = await gather(*[call(client, b, stream=i % 2 == 0)
+                                     for i, b in enumerate(bodies)],
+                                   alongside=[poison_after_poison])
+            status, stats = await health(client)
+    assert running_after == len(bodies)  # the poisons all met the healthy requests
+    assert [p.status for p in poisons] == [500] * 4, [p.describe() for p in poisons]
+    assert_exact(replies, expected)
+    assert status == 200 and stats["state"] == "ready" and stats["isolated"] == 4, stats
+    assert_log_clean(server, allowed=["poisoned"])
+
+
 async def test_a_request_that_cannot_be_admitted_fails_alone(launch, reference, model_name):
     """Scenario 6: admission raises for one request (non-streaming in the first round,
     streaming in the second): it gets an error response, the others complete exactly,
