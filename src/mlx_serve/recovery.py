@@ -23,8 +23,8 @@ A request also ends (isolated) once it has taken part in ``max_involvement`` fai
 steps, so that one which makes steps fail now and then cannot go on doing so. What the
 requests of a failed step shared is forgiven once a culprit is isolated (the failures
 were its) and after ``forgive_after_good_steps`` good steps in a row (they were rare,
-transient faults): before, a few poison requests in a row, or a 1 % rate of transient
-step faults, failed every long request in the batch with them.
+transient faults), so that a few poison requests in a row, or a trickle of transient
+step faults, do not add up to fail every long request in the batch with them.
 """
 
 from __future__ import annotations
