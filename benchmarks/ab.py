@@ -144,12 +144,13 @@ class ABRunner:
                    warmup: list[str]) -> dict[str, Any]:
         """The engine harness on these prompts: in its kept process, or a fresh one."""
         cfg, log_path = self.config, self.workdir / "engine.log"
-        if cfg.api == "chat":  # the servers run the chat template's tokens: so must it
-            prompts_file, out = job_files(
-                self.workdir, [chat_prompt_ids(self.tokenizer, p) for p in prompts],
-                [chat_prompt_ids(self.tokenizer, p) for p in warmup])
-        else:
-            prompts_file, out = job_files(self.workdir, prompts, warmup)
+        def given(texts: list[str]) -> list[str] | list[list[int]]:
+            # The servers run the chat template's tokens over chat: so must the harness.
+            if cfg.api != "chat":
+                return texts
+            return [chat_prompt_ids(self.tokenizer, text) for text in texts]
+
+        prompts_file, out = job_files(self.workdir, given(prompts), given(warmup))
         command = harness_command(self.model_path, cfg.batch, cfg.engine_one_array_logprobs,
                                   cfg.engine_early_decode_join)
         if cfg.engine_kept:

@@ -68,6 +68,7 @@ from benchmarks.workload import (
     length_mix,
     load_tokenizer,
 )
+from mlx_serve.config import Settings, env_name, flag_name
 
 # Of report.METRICS; the step figures say whether a slower variant ran emptier batches
 # (fewer tokens a step) or slower steps, the CPU probe whether the host ran it slower.
@@ -136,8 +137,7 @@ def without_flags_set_in(command: list[str], env: dict[str, str]) -> list[str]:
     """``command`` without the flags (and their values) that ``env`` sets as
     ``MLX_SERVE_*`` variables: a flag wins over its variable, so a variant such as
     ``MLX_SERVE_DECODE_BATCH_SIZE=64`` would otherwise change nothing."""
-    flags = {"--" + key.removeprefix("MLX_SERVE_").lower().replace("_", "-")
-             for key in env if key.startswith("MLX_SERVE_")}
+    flags = {flag_name(name) for name in Settings.model_fields if env_name(name) in env}
     kept: list[str] = []
     skip_value = False
     for word in command:

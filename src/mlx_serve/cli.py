@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import uvicorn
 from pydantic import ValidationError
 
-from mlx_serve.config import LOG_FORMAT, Settings, describe_invalid
+from mlx_serve.config import LOG_FORMAT, Settings, describe_invalid, flag_name
 from mlx_serve.preload import reexec_with_preloads
 
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as an MLX_SERVE_<NAME> environment variable.",
     )
     for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+        flag = flag_name(name)
         kind = _flag_type(field.annotation)
         # The parser's own default stays None, so that an unset flag leaves the setting to
         # its environment variable; the help says the setting's default.

@@ -21,6 +21,16 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def flag_name(setting: str) -> str:
+    """A setting's command-line flag: ``decode_batch_size`` is ``--decode-batch-size``."""
+    return "--" + setting.replace("_", "-")
+
+
+def env_name(setting: str) -> str:
+    """A setting's environment variable: ``MLX_SERVE_DECODE_BATCH_SIZE``."""
+    return ENV_PREFIX + setting.upper()
+
+
 def is_loopback(host: str) -> bool:
     if host in LOOPBACK_NAMES:
         return True
@@ -238,8 +248,7 @@ def describe_invalid(exc: ValidationError) -> str:
     lines = []
     for error in exc.errors(include_url=False, include_input=False):
         name = "_".join(str(part) for part in error["loc"])
-        where = (f"{name} (--{name.replace('_', '-')}, {ENV_PREFIX}{name.upper()})"
-                 if name else "settings")
+        where = f"{name} ({flag_name(name)}, {env_name(name)})" if name else "settings"
         lines.append(f"  {where}: {error['msg']}")
     return "\n".join(lines)
 
@@ -251,7 +260,7 @@ _NOT_SETTINGS = frozenset({"MLX_SERVE_PRELOAD_REEXEC"})
 def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     """``MLX_SERVE_*`` variables that name no setting (a typo, or ``NO_``: off is
     ``=false``), each with the setting it likely meant."""
-    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | _NOT_SETTINGS
+    known = {env_name(name) for name in Settings.model_fields} | _NOT_SETTINGS
     notes = []
     for name in sorted(environ):
         if name.startswith(ENV_PREFIX) and name not in known:
