@@ -11,6 +11,7 @@ from mlx_serve.errors import (
     GenerationError,
     IsolatedRequestError,
     StepTimeoutError,
+    UnstableGenerationError,
 )
 from tests.conftest import running_engine
 from tests.engine_helpers import (
@@ -143,6 +144,25 @@ async def test_failing_requests_sent_one_at_a_time_end_the_engine_only_if_it_is_
             assert engine.statistics().isolated == 3
         else:
             assert "self-test" in (engine.statistics().error or "")
+
+
+async def test_requests_worn_out_by_failures_with_no_culprit_are_told_to_resend(
+        tiny_model_dir):
+    """Every other step fails and every replay passes: no request is ever found the
+    cause, and each ends after ``max_involvement`` failed steps. The answer says so, and
+    that a resend may succeed, unlike a request found to be the cause."""
+    spec = "engine.step=" + "->".join(["1*raise(RuntimeError:flaky)", "1*off"] * 8)
+    async with running_engine(tiny_model_dir, failpoints=spec) as engine:
+        reqs = [make_request(p, max_tokens=40) for p in prompts(engine, 3)]
+        results = await generate_all(engine, reqs)
+        stats = engine.statistics()
+        after = await generate(engine, prompts(engine, 1)[0], max_tokens=4)
+    errors = [r.error for r in results]
+    assert all(isinstance(e, UnstableGenerationError) for e in errors), errors
+    assert all(e.should_retry and "8 steps" in e.message and "flaky" in e.message
+               for e in errors), errors
+    assert stats.isolated == 3 and stats.recoveries == 8
+    assert after.tokens == 4 and after.error is None
 
 
 async def test_admission_failure_fails_only_that_request(tiny_model_dir):

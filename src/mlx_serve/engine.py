@@ -32,10 +32,10 @@ from mlx_serve.engine_state import (
 from mlx_serve.engine_step import EngineStep
 from mlx_serve.errors import (
     EngineDeadError,
-    IsolatedRequestError,
     MLXServeError,
     StepTimeoutError,
     as_request_error,
+    isolation_error,
 )
 from mlx_serve.generation import Delta, Failure, GenerationRequest, ReplyEvent, StepOutcome
 from mlx_serve.mlx_thread import MLXThread
@@ -370,9 +370,11 @@ class Engine:
             raise _EngineFailed(
                 f"steps keep failing after rebuilds; last error: {type(error).__name__}: {error}"
             )
+        involvement = self._isolation.max_involvement
         for rid in decision.isolate:
             self._counts["isolated"] += 1
-            self._finish(rid, Failure(IsolatedRequestError(f"generation failed: {error}")))
+            worn_out_after = involvement if rid in decision.worn_out else None
+            self._finish(rid, Failure(isolation_error(error, worn_out_after=worn_out_after)))
         if decision.self_test:
             log.warning("requests keep failing alone; testing the engine outside the batch")
             try:

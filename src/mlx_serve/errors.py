@@ -132,6 +132,26 @@ class IsolatedRequestError(GenerationError):
     should_retry = False
 
 
+class UnstableGenerationError(GenerationError):
+    """This request took part in too many failed steps, good steps between them, and no
+    cause was pinned on it: every request in those steps looked the same (recovery.py).
+    Whether it was the cause or a bystander of rare faults is not known, so a resend may
+    well succeed (``x-should-retry: true``)."""
+
+    should_retry = True
+
+
+def isolation_error(cause: BaseException | None, *,
+                    worn_out_after: int | None = None) -> GenerationError:
+    """The answer of a request the recovery ended: found the cause of failing steps, or
+    (``worn_out_after``) ended after that many failed steps with no cause found."""
+    if worn_out_after is None:
+        return IsolatedRequestError(f"generation failed: {cause}")
+    return UnstableGenerationError(
+        f"generation failed: {worn_out_after} steps this request was in failed, with no "
+        f"cause pinned on any one request; a resend may succeed (last error: {cause})")
+
+
 class StepTimeoutError(MLXServeError):
     status_code = 503
     code = "step_timeout"

@@ -19,8 +19,9 @@ engine is broken (every request looks guilty), or only that one client sent fail
 requests one after another. The actor then runs the self-test again: if it passes,
 serving goes on; the next such run of isolations before any good step is fatal.
 
-A request also ends (isolated) once it has taken part in ``max_involvement`` failed
-steps, so that one which makes steps fail now and then cannot go on doing so. What the
+A request also ends (worn out) once it has taken part in ``max_involvement`` failed
+steps of whole batches, so that one which makes steps fail now and then cannot go on
+doing so; no cause is pinned on it, so its answer says a resend may succeed. What the
 requests of a failed step shared is forgiven once a culprit is isolated (the failures
 were its) and after ``forgive_after_good_steps`` good steps in a row (they were rare,
 transient faults), so that a few poison requests in a row, or a trickle of transient
@@ -41,6 +42,8 @@ class Decision:
     isolate: frozenset[str] = frozenset()
     fatal: bool = False
     self_test: bool = False  # the actor tests the engine outside the batch: fatal if it fails
+    # Of ``isolate``: ended for taking part in too many failed steps, not found the cause.
+    worn_out: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -79,12 +82,13 @@ class Isolation:
             if self.failure_streak > self.max_failed_rebuilds:
                 return Decision(batch=None, fatal=True)
         group = frozenset(in_step)
-        for rid in group:
-            self._involvement[rid] = self._involvement.get(rid, 0) + 1
-        worn_out = frozenset(r for r in group if self._involvement[r] >= self.max_involvement)
-        if worn_out:
+        # Only whole batches failing wear requests out. A failed probe is the
+        # bisection's evidence, bounded by its depth: counted, a bisection of a large
+        # batch (7 levels for 128) wore out the culprit and its neighbours before the
+        # culprit could fail alone.
+        if not probing and (worn_out := self._wear(group)):
             self.failure_streak = 0
-            return self._next(worn_out)
+            return replace(self._next(worn_out), worn_out=worn_out)
         if not probing and not self._replayed:
             self._replayed = True  # first, assume a transient fault: replay everything
             return Decision(batch=None)
@@ -144,6 +148,12 @@ class Isolation:
         for rid in gone:
             self._alone_failures.pop(rid, None)
             self._involvement.pop(rid, None)
+
+    def _wear(self, group: frozenset[str]) -> frozenset[str]:
+        """Count a failed whole batch against its requests; those now worn out."""
+        for rid in group:
+            self._involvement[rid] = self._involvement.get(rid, 0) + 1
+        return frozenset(r for r in group if self._involvement[r] >= self.max_involvement)
 
     def _next(self, isolate: frozenset[str]) -> Decision:
         self._pending = [g - isolate for g in self._pending if g - isolate]

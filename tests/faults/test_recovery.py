@@ -228,3 +228,26 @@ async def test_an_isolated_request_is_not_resent_by_the_openai_sdk(launch, model
         wait_health, server, lambda h: h["state"] != "recovering")
     # Before, the SDK sent it three times: three isolations in a row.
     assert stats["isolated"] == 1 and stats["state"] == "ready", stats
+
+
+async def test_a_request_worn_out_with_no_culprit_is_resent_by_the_openai_sdk(
+        launch, model_name):
+    """Every other step fails, eight times over, and every replay passes: no request is
+    found the cause, and the request ends after its eighth failed step. Its 500 says
+    ``x-should-retry: true``; the SDK's resend, after the faults, completes."""
+    import openai
+
+    flaky = "->".join(["1*raise(RuntimeError:flaky)", "1*off"] * 8)
+    server = launch(failpoints=f"engine.step={flaky}")
+    sdk = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=30)
+    with anyio.fail_after(SCENARIO_S):
+        raw = await sdk.chat.completions.with_raw_response.create(  # default retries
+            model=model_name, max_tokens=40, messages=[{"role": "user", "content": "hi"}])
+    await sdk.close()
+    assert raw.retries_taken == 1, raw.retries_taken
+    reply = raw.parse()
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 40
+    stats = await anyio.to_thread.run_sync(
+        wait_health, server, lambda h: h["state"] != "recovering")
+    assert stats["isolated"] == 1 and stats["recoveries"] == 8, stats
+    assert stats["state"] == "ready", stats
