@@ -217,6 +217,27 @@ def _kept(store: ResponseStore, response_id: str) -> bool:
     return True
 
 
+def test_a_streamed_response_is_kept_in_progress_then_as_it_first_ended():
+    store = ResponseStore(max_bytes=1 << 20)
+    keeper = store.keeper([])
+    keeper.begin({**response("r0"), "status": "in_progress"})
+    assert store.in_progress("r0") and json.loads(store.get("r0").response_json)[
+        "status"] == "in_progress"
+    keeper.end({**response("r0", "done"), "status": "completed"})
+    keeper.end({**response("r0", "cut"), "status": "cancelled"})  # a departure after it
+    assert not store.in_progress("r0")
+    assert json.loads(store.get("r0").response_json)["status"] == "completed"
+
+
+def test_a_response_deleted_while_made_is_not_kept_when_it_ends():
+    store = ResponseStore(max_bytes=1 << 20)
+    keeper = store.keeper([])
+    keeper.begin(response("r0"))
+    assert store.delete("r0") and not store.in_progress("r0")
+    keeper.end(response("r0", "done"))
+    assert not _kept(store, "r0") and store.nbytes == 0
+
+
 def test_an_item_is_found_while_any_stored_response_holds_it():
     store = ResponseStore(max_bytes=1 << 20)
     item = {"id": "msg_a", "type": "message", "role": "user", "content": []}

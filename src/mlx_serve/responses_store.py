@@ -58,8 +58,29 @@ class ResponseStore:
         # (a conversation's earlier items are in every later response of it).
         self._holders: dict[str, list[str]] = {}
 
+        self._making: set[str] = set()  # streamed responses begun and not yet ended
+
     def __len__(self) -> int:
         return len(self._entries)
+
+    def keeper(self, conversation: list[dict[str, Any]]) -> StreamKeeper:
+        """What keeps a streamed response: in progress at once, then as it ended."""
+        return StreamKeeper(self, conversation)
+
+    def in_progress(self, response_id: str) -> bool:
+        return response_id in self._making
+
+    def begin(self, snapshot: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Keep a streamed response in progress (its client has its id already)."""
+        self.put(snapshot, conversation)
+        self._making.add(snapshot["id"])
+
+    def finish(self, final: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Keep a begun response as it ended, unless it was deleted meanwhile or has
+        ended already."""
+        if final["id"] in self._making:
+            self._making.discard(final["id"])
+            self.put(final, conversation)
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """Keep a finished response after the ``conversation`` that generated it; the
@@ -94,6 +115,7 @@ class ResponseStore:
         return holders[-1], self.get(holders[-1])
 
     def delete(self, response_id: str) -> bool:
+        self._making.discard(response_id)  # deleted while made: not kept when it ends
         entry = self._entries.pop(response_id, None)
         if entry is not None:
             self._forget(response_id, entry)
@@ -106,6 +128,21 @@ class ResponseStore:
             holders.remove(response_id)
             if not holders:
                 del self._holders[item_id]
+
+
+@dataclass(frozen=True)
+class StreamKeeper:
+    """A streamed response's place in the store: its snapshot in progress from its first
+    event (its client has the id), replaced by the final one unless deleted meanwhile."""
+
+    store: ResponseStore
+    conversation: list[dict[str, Any]]
+
+    def begin(self, snapshot: dict[str, Any]) -> None:
+        self.store.begin(snapshot, self.conversation)
+
+    def end(self, final: dict[str, Any]) -> None:
+        self.store.finish(final, self.conversation)
 
 
 def check_retrieval(query: QueryParams) -> None:
@@ -202,6 +239,11 @@ async def continued(body: ResponsesRequest, store: ResponseStore
             raise RequestError(
                 f"Previous response with id '{body.previous_response_id}' not found.",
                 param="previous_response_id", code="previous_response_not_found") from None
+        if store.in_progress(body.previous_response_id):  # it has no output yet
+            raise RequestError(
+                f"Previous response with id '{body.previous_response_id}' is still in "
+                f"progress; a follow-up can name it once it has ended.",
+                param="previous_response_id")
     holders = {item.id: store.holder(item.id) for item in body.input
                if isinstance(item, ItemReference)} if not isinstance(body.input, str) else {}
     if body.previous_response_id is None and not holders:

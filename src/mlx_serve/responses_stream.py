@@ -15,8 +15,8 @@ of its own, where the final Response lists it.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from mlx_serve.engine import RequestHandle
 from mlx_serve.errors import MLXServeError
@@ -33,6 +33,14 @@ from mlx_serve.responses_api import (
 )
 from mlx_serve.streaming import QuietPings, pings_until_output, tell_tracker
 from mlx_serve.tool_calls import CallUpdate
+
+
+class ResponseKeeper(Protocol):
+    """Where a stored Response goes: its snapshot while it is made, then its end."""
+
+    def begin(self, snapshot: dict[str, Any]) -> None: ...
+
+    def end(self, final: dict[str, Any]) -> None: ...
 
 
 class _EventWriter:
@@ -160,6 +168,17 @@ class _OutputItems:
                        self.event("response.output_item.done", output_index=index, item=item)]
         return frames
 
+    def cut_off(self) -> dict[str, Any]:
+        """The Response as far as it got when its stream stopped without an end (its
+        client left): ``cancelled``, its open items ``incomplete``."""
+        after = self.message_at is not None and any(
+            at < self.message_at for at in self.call_at.values())
+        final = self.builder.response("cancelled", self.choice, self.shape.prompt_tokens,
+                                      message_after_calls=after)
+        if self.message_at is None:  # a message the stream never announced
+            final["output"] = [i for i in final["output"] if i["type"] != "message"]
+        return final
+
     def closing(self, error: MLXServeError | None) -> tuple[list[bytes], dict[str, Any]]:
         """The stream's last events, and the final Response they carry."""
         builder, choice, prompt_tokens = self.builder, self.choice, self.shape.prompt_tokens
@@ -197,41 +216,49 @@ class _OutputItems:
 
 async def response_events(handle: RequestHandle, shape: ReplyShape, builder: ResponseBuilder,
                           ping_seconds: float, tracker: RequestTracker | None = None,
-                          on_end: Callable[[dict[str, Any]], None] | None = None
-                          ) -> AsyncIterator[bytes]:
+                          keeper: ResponseKeeper | None = None) -> AsyncIterator[bytes]:
     """The Responses stream: created, in progress, the output items' events, then
-    completed (incomplete at max_output_tokens, failed on an error). ``on_end`` gets the
-    final Response, whatever its status."""
+    completed (incomplete at max_output_tokens, failed on an error). ``keeper`` gets the
+    Response in progress at once, then the final one whatever its status: ``cancelled``,
+    with what was made, if the stream stops before its end (its client left)."""
     items = _OutputItems(builder, shape)
     event = items.event
     error: MLXServeError | None = None
-    async with handle:  # first: a client gone at any yield below closes the request
-        try:
-            yield event("response.created", response=builder.response("in_progress"))
-            yield event("response.in_progress", response=builder.response("in_progress"))
-            async for ping in pings_until_output(handle, ping_seconds):
-                yield ping
-            if tracker is not None:
-                tracker.first_output()
-            quiet = QuietPings(ping_seconds)
-            async for item in handle:
-                if isinstance(item, Failure):
-                    error = item.error
-                    break
-                frames = items.delta(item)
-                if frames:
-                    yield b"".join(frames)
-                    quiet.spoke()
-                elif (keep_alive := quiet.quiet()) is not None:
-                    yield keep_alive
-        except MLXServeError as exc:
-            error = exc
-        except Exception as exc:  # a fault in our own send path still ends the stream cleanly
-            error = MLXServeError(f"streaming failed: {type(exc).__name__}")
-        finally:
-            tell_tracker(tracker, [items.choice], error)
-    frames, final = items.closing(error)
-    if on_end is not None:  # a failed one too: its client has its id, as at OpenAI
-        on_end(final)
-    for frame in frames:
-        yield frame
+    created = builder.response("in_progress")
+    if keeper is not None:  # its id is found from the first event on
+        keeper.begin(created)
+    try:
+        async with handle:  # first: a client gone at any yield below closes the request
+            try:
+                yield event("response.created", response=created)
+                yield event("response.in_progress", response=created)
+                async for ping in pings_until_output(handle, ping_seconds):
+                    yield ping
+                if tracker is not None:
+                    tracker.first_output()
+                quiet = QuietPings(ping_seconds)
+                async for item in handle:
+                    if isinstance(item, Failure):
+                        error = item.error
+                        break
+                    frames = items.delta(item)
+                    if frames:
+                        yield b"".join(frames)
+                        quiet.spoke()
+                    elif (keep_alive := quiet.quiet()) is not None:
+                        yield keep_alive
+            except MLXServeError as exc:
+                error = exc
+            except Exception as exc:  # a fault in our own send path still ends it cleanly
+                error = MLXServeError(f"streaming failed: {type(exc).__name__}")
+            finally:
+                tell_tracker(tracker, [items.choice], error)
+        frames, final = items.closing(error)
+        if keeper is not None:  # a failed one too: its client has its id, as at OpenAI
+            keeper.end(final)
+        for frame in frames:
+            yield frame
+    except BaseException:  # GeneratorExit or a cancellation: the stream stopped short
+        if keeper is not None:
+            keeper.end(items.cut_off())  # a no-op once the final one was kept
+        raise

@@ -206,15 +206,12 @@ async def responses(request: Request) -> Response:
     keep = body.store and state.responses.max_bytes > 0
     builder = ResponseBuilder(body, model, request_id, store=keep)
 
-    def store(final: dict[str, Any]) -> None:  # what a follow-up's previous_response_id finds
-        if keep:
-            state.responses.put(final, conversation)
-
     handle = state.engine.submit(*prepared.requests, wake_every=1 if body.stream else None)
     if body.stream:
         await fail_fast(handle, request, state.settings.sse_ping_seconds, tracker)
+        keeper = state.responses.keeper(conversation) if keep else None
         return SSEResponse(response_events(handle, shape, builder,
-                                           state.settings.sse_ping_seconds, tracker, store),
+                                           state.settings.sse_ping_seconds, tracker, keeper),
                            request_id)
     choice = Choice(0)
     try:
@@ -222,7 +219,8 @@ async def responses(request: Request) -> Response:
     except MLXServeError as exc:  # a fault mid-reply (a format's) names the chat field
         raise as_responses_error(exc) from None
     final = whole_response(builder, choice, shape.prompt_tokens)
-    store(final)
+    if keep:  # what a follow-up's previous_response_id finds
+        state.responses.put(final, conversation)
     return await json_reply(reply_items([choice]), lambda: final, request_id)
 
 
