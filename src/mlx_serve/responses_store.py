@@ -57,7 +57,6 @@ class ResponseStore:
         # Item id -> the stored responses whose conversations hold the item, oldest first
         # (a conversation's earlier items are in every later response of it).
         self._holders: dict[str, list[str]] = {}
-
         self._making: set[str] = set()  # streamed responses begun and not yet ended
 
     def __len__(self) -> int:
