@@ -161,7 +161,7 @@ async def test_requests_worn_out_by_failures_with_no_culprit_are_told_to_resend(
     assert all(isinstance(e, UnstableGenerationError) for e in errors), errors
     assert all(e.should_retry and "8 steps" in e.message and "flaky" in e.message
                for e in errors), errors
-    assert stats.isolated == 3 and stats.recoveries == 8
+    assert stats.worn_out == 3 and stats.isolated == 0 and stats.recoveries == 8
     assert after.tokens == 4 and after.error is None
 
 

@@ -69,7 +69,7 @@ class Engine:
         self._isolation = Isolation(config.max_failed_rebuilds, config.max_request_failures)
         self._step_started: float | None = None
         self._counts = {"steps": 0, "prefill_steps": 0, "recoveries": 0, "replays": 0,
-                        "isolated": 0}
+                        "isolated": 0, "worn_out": 0}
         self._draining = False
         self.runner: Any = None
         self._aborted = False
@@ -372,8 +372,8 @@ class Engine:
             )
         involvement = self._isolation.max_involvement
         for rid in decision.isolate:
-            self._counts["isolated"] += 1
             worn_out_after = involvement if rid in decision.worn_out else None
+            self._counts["isolated" if worn_out_after is None else "worn_out"] += 1
             self._finish(rid, Failure(isolation_error(error, worn_out_after=worn_out_after)))
         if decision.self_test:
             log.warning("requests keep failing alone; testing the engine outside the batch")

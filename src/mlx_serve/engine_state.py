@@ -55,6 +55,7 @@ class EngineStatistics:
     error: str | None
     mlx_busy: float = 0.0  # seconds the MLX thread has spent in finished jobs
     prefill_steps: int = 0  # batch steps that also processed prompts
+    worn_out: int = 0  # requests ended by too many failed steps, no cause found
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -62,7 +63,7 @@ class EngineStatistics:
             "steps": self.steps, "recoveries": self.recoveries, "replays": self.replays,
             "isolated": self.isolated, "step_age_s": round(self.step_age, 3),
             "error": self.error, "mlx_busy_s": round(self.mlx_busy, 4),
-            "prefill_steps": self.prefill_steps,
+            "prefill_steps": self.prefill_steps, "worn_out": self.worn_out,
         }
 
 

@@ -39,6 +39,8 @@ _ENGINE_COUNTERS = (  # statistics field, metric name, help
     ("replays", "mlx_serve_replays", "Requests replayed into a rebuilt batch."),
     ("isolated", "mlx_serve_isolated_requests",
      "Requests failed alone as the cause of failing steps."),
+    ("worn_out", "mlx_serve_worn_out_requests",
+     "Requests ended after too many failed steps with no cause found."),
     ("mlx_busy", "mlx_serve_mlx_busy_seconds", "Seconds the MLX thread spent in jobs."),
 )
 

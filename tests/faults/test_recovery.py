@@ -249,5 +249,10 @@ async def test_a_request_worn_out_with_no_culprit_is_resent_by_the_openai_sdk(
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 40
     stats = await anyio.to_thread.run_sync(
         wait_health, server, lambda h: h["state"] != "recovering")
-    assert stats["isolated"] == 1 and stats["recoveries"] == 8, stats
+    assert stats["worn_out"] == 1 and stats["isolated"] == 0, stats
+    assert stats["recoveries"] == 8, stats
     assert stats["state"] == "ready", stats
+    async with http_client(server) as client:
+        scraped = (await client.get("/metrics")).text.splitlines()
+    assert "mlx_serve_worn_out_requests_total 1.0" in scraped
+    assert "mlx_serve_isolated_requests_total 0.0" in scraped
