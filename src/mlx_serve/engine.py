@@ -372,9 +372,10 @@ class Engine:
             )
         involvement = self._isolation.max_involvement
         for rid in decision.isolate:
-            worn_out_after = involvement if rid in decision.worn_out else None
-            self._counts["isolated" if worn_out_after is None else "worn_out"] += 1
-            self._finish(rid, Failure(isolation_error(error, worn_out_after=worn_out_after)))
+            worn = rid in decision.worn_out
+            self._counts["worn_out" if worn else "isolated"] += 1
+            after = involvement if worn else None
+            self._finish(rid, Failure(isolation_error(error, worn_out_after=after)))
         if decision.self_test:
             log.warning("requests keep failing alone; testing the engine outside the batch")
             try:

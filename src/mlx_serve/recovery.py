@@ -50,8 +50,8 @@ class Decision:
 class Isolation:
     max_failed_rebuilds: int = 3
     max_alone_failures: int = 2
-    # Failed steps a request may take part in, good steps between them or not: a
-    # request that makes every other step fail cannot go on failing steps for long. Two
+    # Failed steps of whole batches a request may take part in, good steps between them
+    # or not: a request that makes every other step fail cannot go on for long. Two
     # things forgive what the requests in a failed step shared: isolating a culprit (it
     # explains them), and this many good steps in a row (the faults before were rare,
     # transient ones, which must not add up over a long reply to fail it).

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 from mlx_serve.engine import RequestHandle
 from mlx_serve.errors import MLXServeError
@@ -31,16 +31,9 @@ from mlx_serve.responses_api import (
     output_text,
     reasoning_parts,
 )
+from mlx_serve.responses_store import StreamKeeper
 from mlx_serve.streaming import QuietPings, pings_until_output, tell_tracker
 from mlx_serve.tool_calls import CallUpdate
-
-
-class ResponseKeeper(Protocol):
-    """Where a stored Response goes: its snapshot while it is made, then its end."""
-
-    def begin(self, snapshot: dict[str, Any]) -> None: ...
-
-    def end(self, final: dict[str, Any]) -> None: ...
 
 
 class _EventWriter:
@@ -216,7 +209,7 @@ class _OutputItems:
 
 async def response_events(handle: RequestHandle, shape: ReplyShape, builder: ResponseBuilder,
                           ping_seconds: float, tracker: RequestTracker | None = None,
-                          keeper: ResponseKeeper | None = None) -> AsyncIterator[bytes]:
+                          keeper: StreamKeeper | None = None) -> AsyncIterator[bytes]:
     """The Responses stream: created, in progress, the output items' events, then
     completed (incomplete at max_output_tokens, failed on an error). ``keeper`` gets the
     Response in progress at once, then the final one whatever its status: ``cancelled``,
