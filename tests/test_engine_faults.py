@@ -154,9 +154,10 @@ async def test_requests_worn_out_by_failures_with_no_culprit_are_told_to_resend(
     spec = "engine.step=" + "->".join(["1*raise(RuntimeError:flaky)", "1*off"] * 8)
     async with running_engine(tiny_model_dir, failpoints=spec) as engine:
         reqs = [make_request(p, max_tokens=40) for p in prompts(engine, 3)]
-        results = await generate_all(engine, reqs)
-        stats = engine.statistics()
-        after = await generate(engine, prompts(engine, 1)[0], max_tokens=4)
+        with anyio.fail_after(60):
+            results = await generate_all(engine, reqs)
+            stats = engine.statistics()
+            after = await generate(engine, prompts(engine, 1)[0], max_tokens=4)
     errors = [r.error for r in results]
     assert all(isinstance(e, UnstableGenerationError) for e in errors), errors
     assert all(e.should_retry and "8 steps" in e.message and "flaky" in e.message
