@@ -166,6 +166,25 @@ async def test_requests_worn_out_by_failures_with_no_culprit_are_told_to_resend(
     assert after.tokens == 4 and after.error is None
 
 
+async def test_a_request_that_fails_three_steps_in_four_ends_alone(tiny_model_dir):
+    """Its batch-mates miss the failed probes without it, so the suspects narrow to it:
+    they complete exactly, where before every one of them wore out with it."""
+    expected = await reference(tiny_model_dir, 8)
+    spec = ("engine.step[user=flaky]="
+            + "->".join(["3*raise(RuntimeError:flaky)", "1*off"] * 8))
+    async with running_engine(tiny_model_dir, failpoints=spec) as engine:
+        reqs = [make_request(p, max_tokens=16, user="flaky" if i == 5 else None)
+                for i, p in enumerate(prompts(engine, 8))]
+        with anyio.fail_after(60):
+            results = await generate_all(engine, reqs)
+        stats = engine.statistics()
+    assert isinstance(results[5].error, GenerationError)
+    healthy = [r for i, r in enumerate(results) if i != 5]
+    assert [r.error for r in healthy] == [None] * 7
+    assert [r.text for r in healthy] == [t for i, t in enumerate(expected) if i != 5]
+    assert stats.isolated + stats.worn_out == 1 and stats.state is EngineState.READY
+
+
 async def test_admission_failure_fails_only_that_request(tiny_model_dir):
     spec = "engine.admit[user=bad]=raise(ValueError:cannot admit)"
     async with running_engine(tiny_model_dir, failpoints=spec) as engine:
