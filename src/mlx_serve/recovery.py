@@ -90,7 +90,7 @@ class Isolation:
             if self.failure_streak > self.max_failed_rebuilds:
                 return Decision(batch=None, fatal=True)
         group = frozenset(in_step)
-        common = self._in_every_failure
+        common = self._in_every_failure  # who can have caused every failure so far
         self._in_every_failure = group if common is None else common & group
         # Only whole batches failing wear requests out. A failed probe is the
         # bisection's evidence, bounded by its depth: counted, a bisection of a large
@@ -125,7 +125,7 @@ class Isolation:
             # the groups already waiting (often healthy) get their probe step first.
             self._pending += self._parts(group)
         decision = self._next(isolate)
-        if not probing:  # the replay failed: the engine's own test before bisecting
+        if not probing:  # the batch failed again: the engine's own test before bisecting
             decision = replace(decision, self_test=True)
         return decision
 
