@@ -565,3 +565,15 @@ def test_large_reply_measures_health_while_a_whole_reply_is_made(tiny_server, tm
     assert result["probes"] >= 1 and result["probe_max_ms"] > 0
     reply_tokens = 2 * 40
     assert result["reply_bytes"] > reply_tokens * 4 * 20  # every token with 3 alternatives
+
+
+def test_the_recovery_simulation_reports_who_ends_under_each_fault_model():
+    from benchmarks.recovery_sim import flaky_engine, flaky_request
+
+    request = flaky_request(batch=8, rate=0.7, runs=20)
+    assert request["culprit_found"] + request["culprit_worn_out"] == 1.0  # it always ends
+    assert 0 <= request["innocents_lost_share"] < 0.2
+    always = flaky_engine(batch=8, rate=1.0, runs=5)  # every step and self-test fails
+    assert always["engine_failed"] == 1.0 and always["wrongly_found_cause"] == 0.0
+    never = flaky_engine(batch=8, rate=0.0, runs=5)
+    assert never["engine_failed"] == 0.0 and never["worn_out"] == 0.0
