@@ -17,24 +17,42 @@ def test_a_single_failure_replays_everything():
     assert not iso.recovering
 
 
-def run_until_settled(iso: Isolation, live: set[str], poison: str, limit: int = 40):
-    """Simulate steps where any batch holding ``poison`` fails; return isolated ids."""
-    isolated: set[str] = set()
+def drive(iso: Isolation, live: set[str], fails, until: str, limit: int = 400,
+          finish_after_one_step: bool = False) -> tuple[set[str], set[str]]:
+    """Follow the policy's decisions, step by step, until ``until`` has ended and the
+    recovery is over; ``fails(members)`` says whether a step over those fails. Returns
+    the requests ended, and those of them worn out. ``finish_after_one_step``: each
+    request other than ``until`` finishes after its first good step, and a new one
+    takes its place."""
+    ended: set[str] = set()
+    worn: set[str] = set()
     batch: frozenset[str] | None = None
+    fresh = iter(range(10**6))
     for _ in range(limit):
-        members = set(batch) if batch is not None else live - isolated
-        if poison in members:
-            decision = iso.on_failure(members)
-        else:
-            decision = iso.on_success(members)
-            if decision is None and not iso.recovering:
-                return isolated
+        members = set(batch) if batch is not None else live - ended
+        failed = fails(members)
+        decision = iso.on_failure(members) if failed else iso.on_success(members)
+        if not failed and finish_after_one_step:
+            done = members - {until}
+            iso.forget(done)
+            live = (live - done) | {f"new{next(fresh)}" for _ in done}
+            batch = None if batch is None else frozenset(batch - done) or None
         if decision is not None:
             assert not decision.fatal
-            assert not decision.worn_out  # a poison is found, not worn out
-            isolated |= decision.isolate
+            ended |= decision.isolate
+            worn |= decision.worn_out
             batch = decision.batch
+        if until in ended and batch is None and not iso.recovering:
+            return ended, worn
     raise AssertionError("the policy did not settle")
+
+
+def run_until_settled(iso: Isolation, live: set[str], poison: str, limit: int = 40):
+    """Simulate steps where any batch holding ``poison`` fails; return isolated ids."""
+    ended, worn = drive(iso, live, lambda members: poison in members, until=poison,
+                        limit=limit)
+    assert not worn  # a poison is found, not worn out
+    return ended
 
 
 def test_bisection_isolates_exactly_the_poison_request():
@@ -146,36 +164,6 @@ def test_a_good_step_forgives_earlier_isolations():
             iso.on_failure({rid})
         assert iso.on_success({"healthy"}) is None
     assert iso.isolations_in_a_row == 0
-
-
-def drive(iso: Isolation, live: set[str], fails, until: str, limit: int = 400,
-          finish_after_one_step: bool = False) -> tuple[set[str], set[str]]:
-    """Follow the policy's decisions, step by step, until ``until`` has ended and the
-    recovery is over; ``fails(members)`` says whether a step over those fails. Returns
-    the requests ended, and those of them worn out. ``finish_after_one_step``: each
-    request other than ``until`` finishes after its first good step, and a new one
-    takes its place."""
-    ended: set[str] = set()
-    worn: set[str] = set()
-    batch: frozenset[str] | None = None
-    fresh = iter(range(10**6))
-    for _ in range(limit):
-        members = set(batch) if batch is not None else live - ended
-        failed = fails(members)
-        decision = iso.on_failure(members) if failed else iso.on_success(members)
-        if not failed and finish_after_one_step:
-            done = members - {until}
-            iso.forget(done)
-            live = (live - done) | {f"new{next(fresh)}" for _ in done}
-            batch = None if batch is None else frozenset(batch - done) or None
-        if decision is not None:
-            assert not decision.fatal
-            ended |= decision.isolate
-            worn |= decision.worn_out
-            batch = decision.batch
-        if until in ended and batch is None and not iso.recovering:
-            return ended, worn
-    raise AssertionError("the policy did not settle")
 
 
 def fails_every_other_step_it_joins(rid: str):
