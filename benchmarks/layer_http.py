@@ -16,11 +16,14 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from benchmarks.environment import ROOT
+
+if TYPE_CHECKING:
+    from benchmarks.layers import Counted
 
 
 def loadgen_command(url: str, model_path: str, count: int, seed: int, args: Any,
@@ -34,14 +37,16 @@ def loadgen_command(url: str, model_path: str, count: int, seed: int, args: Any,
 
 
 async def serve_and_load(runner: Any, mlx: Any, args: Any, model_path: str, count: int,
-                         seed: int) -> tuple[int, int, float]:
+                         seed: int) -> Counted:
     """Serve ``runner`` over HTTP while the load generator sends ``count`` requests.
 
-    Returns the batch steps, output tokens and the load generator's duration (first
-    request sent to last reply done: its start-up is not the server's time).
+    Returns the batch steps, output tokens, the clients' TTFT p50 and the load
+    generator's duration (first request sent to last reply done: its start-up is not
+    the server's time).
     """
     from starlette.applications import Starlette
 
+    from benchmarks.layers import Counted
     from mlx_serve.config import Settings
     from mlx_serve.engine import Engine, EngineConfig
     from mlx_serve.failpoints import FailPoints
@@ -72,7 +77,8 @@ async def serve_and_load(runner: Any, mlx: Any, args: Any, model_path: str, coun
         steps = engine.statistics().steps - first
         if summary["failed"] or summary["completed"] != count:
             raise RuntimeError(f"http: {summary['failed']} of {count} requests failed")
-        return steps, summary["output_tokens"], summary["duration_s"]
+        return Counted(steps, summary["output_tokens"], summary["ttft_ms"]["p50"],
+                       summary["duration_s"])
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 30)

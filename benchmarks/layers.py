@@ -24,8 +24,11 @@ eight layers, interleaved round by round in a rotating order:
 
 Every run gets prompts of its own, so that no layer finds another's in its prefix cache
 (mlx_serve's runner keeps one, 1 GiB by default; the harness has none). Each run reports
-ms per batch step, tokens per step and tokens/s; each layer's ms per step over the
-engine's in the same round is the figure, median [min-max] over rounds. Where ``ab``
+ms per batch step, tokens per step, tokens/s and the median time to first text (from
+the request's hand-over to the layer until its first text leaves it: the harness's
+insert, the runner's admitting step call, the actor's submit, the client's send); each
+layer's figures over the engine's in the same round are the result, median [min-max]
+over rounds. Where ``ab``
 compares two processes (each on its own vCPUs, which on a shared host run at different
 speeds), this compares layers of one process, and tells which layer a gap comes from.
 
@@ -41,13 +44,14 @@ import asyncio
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -63,9 +67,18 @@ from benchmarks.workload import Workload, build_prompts, load_tokenizer
 
 LAYERS = ("engine", "engine-busy", "engine-1arr", "runner", "runner-nocache", "actor",
           "actor-busy", "http")
-# What a layer's run counts: batch steps and output tokens, and the seconds it served
-# where the layer times itself.
-Counted = tuple[int, int] | tuple[int, int, float]
+
+
+@dataclass(frozen=True)
+class Counted:
+    """What a layer's run counts: batch steps, output tokens, the median ms from a
+    request's hand-over to its first text, and the seconds it served where the layer
+    times itself."""
+
+    steps: int
+    tokens: int
+    ttft_p50_ms: float | None
+    wall_s: float | None = None
 
 
 class Layers:
@@ -134,15 +147,17 @@ class Layers:
                     else self.mlx.native_id)
         threads_before, detail_before = thread_times(), read_thread(stepping)
         started = time.perf_counter()
-        steps, tokens, *own_wall = runs[layer](prompts)
+        counted = runs[layer](prompts)
+        steps, tokens = counted.steps, counted.tokens
         detail = per_step(detail_before, read_thread(stepping), steps)
         # The http layer times its load itself: its clients' start-up is not serving.
-        wall = own_wall[0] if own_wall else time.perf_counter() - started
+        wall = counted.wall_s or time.perf_counter() - started
         roles = cpu_by_role(os.getpid(), threads_before, thread_times(), stepping)
         return {"layer": layer, "wall_s": round(wall, 4), "steps": steps, "tokens": tokens,
                 "ms_per_step": round(wall / steps * 1e3, 4) if steps else None,
                 "tokens_per_step": round(tokens / steps, 3) if steps else None,
                 "tok_s": round(tokens / wall, 2) if wall > 0 else None,
+                "ttft_p50_ms": counted.ttft_p50_ms,
                 # CPU ms per step by thread role: a slow vCPU shows as a stepping thread
                 # that needs more CPU for the same step.
                 "cpu_ms_per_step": {role: round(sec / steps * 1e3, 4)
@@ -168,21 +183,23 @@ class Layers:
         params = SamplingParams(max_tokens=self.args.output_tokens, temperature=0.0)
         return GenerationRequest(f"layers-{next(self._ids)}", tuple(prompt), params)
 
-    def _harness(self, harness: EngineHarness, prompts: list[list[int]]) -> tuple[int, int]:
+    def _harness(self, harness: EngineHarness, prompts: list[list[int]]) -> Counted:
         a = self.args
         workload = Workload(a.prompt_tokens, a.output_tokens, len(prompts), a.concurrency,
                             time_limit=a.run_time_limit)
         summary = harness.run(prompts, workload)
         if summary["failed"]:
             raise RuntimeError(f"engine: {summary['failed']} requests not finished")
-        return summary["steps"], summary["output_tokens"]
+        return Counted(summary["steps"], summary["output_tokens"], summary["ttft_ms"]["p50"])
 
-    def _runner_loop(self, runner: Any, prompts: list[list[int]]) -> tuple[int, int]:
+    def _runner_loop(self, runner: Any, prompts: list[list[int]]) -> Counted:
         """On the MLX thread: keep ``concurrency`` requests in ``runner``, step it."""
         waiting = [self._request(p) for p in prompts]
         waiting.reverse()
         deadline = time.monotonic() + self.args.run_time_limit
         open_requests = steps = tokens = 0
+        handed: dict[str, float] = {}  # request -> when the step call admitting it began
+        first_text: list[float] = []
         while waiting or open_requests:
             if time.monotonic() > deadline:
                 runner.forget(runner.live_ids())
@@ -190,16 +207,20 @@ class Layers:
             admit = [waiting.pop() for _ in range(min(len(waiting),
                                                       self.args.concurrency - open_requests))]
             open_requests += len(admit)
+            handed.update((r.request_id, time.perf_counter()) for r in admit)
             outcome = runner.step(admit, ())
             if outcome.error is not None or outcome.failed:
                 raise RuntimeError(f"runner: {outcome.error or outcome.failed}")
             steps += outcome.ran_batch
-            for _, delta in outcome.deltas:
+            now = time.perf_counter()
+            for rid, delta in outcome.deltas:
                 tokens += delta.token_count
                 open_requests -= delta.finish_reason is not None
-        return steps, tokens
+                if delta.text and rid in handed:
+                    first_text.append(now - handed.pop(rid))
+        return Counted(steps, tokens, median_ms(first_text))
 
-    def _http(self, prompts: list[list[int]]) -> tuple[int, int, float]:
+    def _http(self, prompts: list[list[int]]) -> Counted:
         import uvloop
 
         from benchmarks.layer_http import serve_and_load
@@ -209,12 +230,12 @@ class Layers:
         return uvloop.run(serve_and_load(self.runner, self.mlx, self.args, self.model_path,
                                          len(prompts), seed))
 
-    def _actor(self, prompts: list[list[int]], work_s: float = 0.0) -> tuple[int, int]:
+    def _actor(self, prompts: list[list[int]], work_s: float = 0.0) -> Counted:
         import uvloop
 
         return uvloop.run(self._actor_run(prompts, work_s))
 
-    async def _actor_run(self, prompts: list[list[int]], work_s: float) -> tuple[int, int]:
+    async def _actor_run(self, prompts: list[list[int]], work_s: float) -> Counted:
         from mlx_serve.engine import Engine, EngineConfig
         from mlx_serve.generation import Failure
 
@@ -224,15 +245,20 @@ class Layers:
         actor = asyncio.ensure_future(engine.run())
         queue = iter(prompts)
         tokens = 0
+        first_text: list[float] = []
 
         async def client() -> None:
             nonlocal tokens
             for prompt in queue:
+                handed: float | None = time.perf_counter()
                 async with engine.submit(self._request(prompt)) as handle:
                     async for event in handle:
                         if isinstance(event, Failure):
                             raise RuntimeError(f"actor: {event.error}")
                         tokens += event.token_count
+                        if handed is not None and event.text:
+                            first_text.append(time.perf_counter() - handed)
+                            handed = None
                         if work_s:
                             python_work(work_s)
                         if event.finish_reason is not None:
@@ -243,11 +269,15 @@ class Layers:
             first = engine.statistics().steps
             clients = [asyncio.ensure_future(client()) for _ in range(a.concurrency)]
             await asyncio.wait_for(asyncio.gather(*clients), a.run_time_limit)
-            return engine.statistics().steps - first, tokens
+            return Counted(engine.statistics().steps - first, tokens, median_ms(first_text))
         finally:
             engine.abort()
             await asyncio.wait_for(engine.finished.wait(), 30)
             await actor
+
+
+def median_ms(seconds: list[float]) -> float | None:
+    return round(statistics.median(seconds) * 1e3, 3) if seconds else None
 
 
 def python_work(seconds: float) -> None:
@@ -279,6 +309,7 @@ def measure(layers: Layers, args: argparse.Namespace,
             cpu = run["cpu_ms_per_step"] or {}
             print(f"round {rnd} {layer:14s} {run['ms_per_step']:8.3f} ms/step  "
                   f"{run['tokens_per_step']:7.2f} tokens/step  {run['tok_s']:9.1f} tok/s  "
+                  f"TTFT p50 {run['ttft_p50_ms'] or 0:7.2f} ms  "
                   "cpu ms/step " + " ".join(f"{r} {v:.3f}" for r, v in cpu.items())
                   + f"  {describe_detail(run['stepping_detail'])}", flush=True)
         after_round(runs)
@@ -289,14 +320,15 @@ def ratios(runs: list[dict[str, Any]], base: str = "engine") -> dict[str, Any]:
     """Per layer: ms/step and tok/s over ``base``'s in the same round, median [min-max]."""
     rounds = next(iter(rounds_by_concurrency(runs, "layer", lambda run: run).values()), [])
     return {layer: {metric: pair_spread(rounds, layer, base, itemgetter(metric))
-                    for metric in ("ms_per_step", "tok_s")}
+                    for metric in ("ms_per_step", "tok_s", "ttft_p50_ms")}
             for layer in dict.fromkeys(run["layer"] for run in runs)}
 
 
 def format_ratios(table: dict[str, Any], base: str = "engine") -> str:
-    lines = [f"| layer | ms/step over {base} | tok/s over {base} |", "|---|---|---|"]
-    lines += [f"| {layer} | {cell(r['ms_per_step'])} | {cell(r['tok_s'])} |"
-              for layer, r in table.items()]
+    lines = [f"| layer | ms/step over {base} | tok/s over {base} | TTFT p50 over {base} |",
+             "|---|---|---|---|"]
+    lines += [f"| {layer} | {cell(r['ms_per_step'])} | {cell(r['tok_s'])} "
+              f"| {cell(r['ttft_p50_ms'])} |" for layer, r in table.items()]
     return "\n".join(lines)
 
 
