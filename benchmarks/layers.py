@@ -28,9 +28,9 @@ ms per batch step, tokens per step, tokens/s and the median time to first text (
 the request's hand-over to the layer until its first text leaves it: the harness's
 insert, the runner's admitting step call, the actor's submit, the client's send); each
 layer's figures over the engine's in the same round are the result, median [min-max]
-over rounds. Where ``ab``
-compares two processes (each on its own vCPUs, which on a shared host run at different
-speeds), this compares layers of one process, and tells which layer a gap comes from.
+over rounds. Where ``ab`` compares two processes (each on its own vCPUs, which on a
+shared host run at different speeds), this compares layers of one process, and tells
+which layer a gap comes from.
 
     python -m benchmarks.layers --model tiny --concurrency 1 --rounds 6
     python -m benchmarks.layers --model DIR --concurrency 1 --rounds 8 \\
@@ -317,7 +317,8 @@ def measure(layers: Layers, args: argparse.Namespace,
 
 
 def ratios(runs: list[dict[str, Any]], base: str = "engine") -> dict[str, Any]:
-    """Per layer: ms/step and tok/s over ``base``'s in the same round, median [min-max]."""
+    """Per layer: ms/step, tok/s and TTFT p50 over ``base``'s in the same round,
+    median [min-max]."""
     rounds = next(iter(rounds_by_concurrency(runs, "layer", lambda run: run).values()), [])
     return {layer: {metric: pair_spread(rounds, layer, base, itemgetter(metric))
                     for metric in ("ms_per_step", "tok_s", "ttft_p50_ms")}
