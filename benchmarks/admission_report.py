@@ -5,15 +5,18 @@
     python -m benchmarks.admission_report --runs benchmarks/results/ab-....json /tmp/admission.*
 
 Each line of a probe file is one request: submitted -> taken by the actor, taken -> its
-admitting step begins, that step begins -> first text, in milliseconds, then when it was
-submitted (epoch seconds). With ``--runs`` (an ``ab`` or ``env_ab`` results file) the
-requests submitted inside each measured run's span are reported as one row per run.
+admitting step begins, that step begins -> first text, first text -> handed out on the
+event loop, handed out -> its stream's first frame written (nan where there was none),
+in milliseconds, then when it was submitted (epoch seconds). With ``--runs`` (an ``ab``
+or ``env_ab`` results file) the requests submitted inside each measured run's span are
+reported as one row per run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,8 @@ from benchmarks.metrics import percentiles
 from benchmarks.phase_report import runs_of
 
 SPANS = ("submitted -> taken by the actor", "taken -> admitting step begins",
-         "step begins -> first text")
+         "step begins -> first text", "first text -> handed out",
+         "handed out -> first frame written")
 
 
 def read_spans(paths: list[Path]) -> list[tuple[float, ...]]:
@@ -29,15 +33,20 @@ def read_spans(paths: list[Path]) -> list[tuple[float, ...]]:
             for path in paths for line in path.read_text().splitlines() if line.strip()]
 
 
-def _stats(rows: list[tuple[float, ...]], i: int) -> dict[str, float]:
-    return percentiles([r[i] / 1e3 for r in rows])  # takes seconds, gives milliseconds
+def _stats(rows: list[tuple[float, ...]], i: int) -> dict[str, float | None]:
+    # Takes seconds, gives milliseconds; a span a request did not have (nan) is left out.
+    return percentiles([r[i] / 1e3 for r in rows if not math.isnan(r[i])])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def format_spans(rows: list[tuple[float, ...]]) -> str:
     lines = [f"{len(rows)} requests, ms", "| span | p50 | p90 | mean |", "|---|---|---|---|"]
     for i, name in enumerate(SPANS):
         p = _stats(rows, i)
-        lines.append(f"| {name} | {p['p50']:.1f} | {p['p90']:.1f} | {p['mean']:.1f} |")
+        lines.append(f"| {name} | {_ms(p['p50'])} | {_ms(p['p90'])} | {_ms(p['mean'])} |")
     return "\n".join(lines)
 
 
@@ -48,7 +57,7 @@ def by_run(results: dict[str, Any], rows: list[tuple[float, ...]]
     for name, summary in runs_of(results):
         span = summary.get("span")
         out.append((name, [r for r in rows
-                           if span and len(r) > 3 and span[0] <= r[3] <= span[1]]))
+                           if span and span[0] <= r[-1] <= span[1]]))
     return out
 
 
@@ -58,7 +67,7 @@ def format_runs(runs: list[tuple[str, list[tuple[float, ...]]]]) -> str:
              "|---|---|" + "---|" * len(SPANS)]
     for name, rows in runs:
         if rows:
-            cells = [f"{p['p50']:.1f} / {p['p90']:.1f}"
+            cells = [f"{_ms(p['p50'])} / {_ms(p['p90'])}"
                      for p in (_stats(rows, i) for i in range(len(SPANS)))]
             lines.append(f"| {name} | {len(rows)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,32 +1,38 @@
 """Where a request's time to first token goes inside mlx_serve, request by request.
 
 Put this folder first on ``PYTHONPATH`` and set ``MLX_ADMISSION_PROBE_OUT=PATH``: the
-server then appends one line per request to ``PATH.<pid>`` when the request's first
-text leaves the runner: three spans in milliseconds, then when the request was submitted
-(epoch seconds, so that ``--runs`` can match it to a measured run):
+server then appends one line per request to ``PATH.<pid>``: five spans in milliseconds,
+then when the request was submitted (epoch seconds, so that ``--runs`` can match it to
+a measured run):
 
 1. submitted to the engine -> taken from its inbox by the actor;
 2. taken -> the batch step that admits it begins on the MLX thread;
 3. that step begins -> the runner has the request's first text (prefill, the steps to
-   the first token, and any token the detokenizer held back).
+   the first token, and any token the detokenizer held back);
+4. first text -> the actor hands it out on the event loop (the rest of the step, the
+   hop back, the actor's turn);
+5. handed out -> the first body frame of its stream is written to the socket (the
+   route's turn, the frame, the write); ``nan`` for a reply that is not streamed, or
+   that ended with its first text.
 
-The client's TTFT adds what comes before the submission (HTTP, parsing, tokenizing) and
-after (the event loop's fan-out, SSE). ``python -m benchmarks.admission_report PATH.*``
-prints percentiles. Each hook costs a dictionary write; the line is written once per
-request.
+The line is written at the first frame, or when the request ends without one. The
+client's TTFT adds what comes before the submission (HTTP, parsing, tokenizing) and the
+socket to the client. ``python -m benchmarks.admission_report PATH.*`` prints
+percentiles. Each hook costs a dictionary look-up or write.
 """
 
 import os
+from itertools import pairwise
 
 _OUT = os.environ.get("MLX_ADMISSION_PROBE_OUT")
+_ORDER = ("submitted", "taken", "begun", "text", "loop", "written")
 
 
 class _Marks:
-    """Each request's marks until its first text, then its line in the sink."""
+    """Each request's marks until its first frame (or its end), then its line."""
 
     def __init__(self, out: str) -> None:
         self.marks: dict[str, dict[str, float]] = {}
-        self.written: set[str] = set()
         self.out = out
         self.sink = None  # opened at the first line: a process that serves nothing (the
         # load generator, a probe, the engine harness) leaves no empty file behind
@@ -36,31 +42,37 @@ class _Marks:
 
         self.marks.setdefault(request_id, {}).setdefault(key, time.monotonic())
 
-    def first_text(self, request_id: str) -> None:
-        """Write the request's spans once: at its first text."""
-        import time
+    def mark_if(self, request_id: str, key: str, after: str) -> bool:
+        """Mark ``key`` once ``after`` is marked (a first text, a hand-out); True if so."""
+        t = self.marks.get(request_id)
+        if t is None or after not in t or key in t:
+            return False
+        self.mark(request_id, key)
+        return True
 
-        if request_id in self.written:
+    def write(self, request_id: str) -> None:
+        """The request's line, once, if its first text was reached."""
+        t = self.marks.pop(request_id, None)
+        if t is None or "text" not in t or "wall" not in t:
             return
-        self.written.add(request_id)
-        t = self.marks.pop(request_id, {})
-        if len(t) == 4:
-            spans = (t["taken"] - t["submitted"], t["begun"] - t["taken"],
-                     time.monotonic() - t["begun"])
-            if self.sink is None:
-                self.sink = open(f"{self.out}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115
-            self.sink.write(" ".join(f"{s * 1e3:.3f}" for s in spans) + f" {t['wall']:.3f}\n")
+        spans = [t[b] - t[a] if a in t and b in t else float("nan")
+                 for a, b in pairwise(_ORDER)]
+        if self.sink is None:
+            self.sink = open(f"{self.out}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115
+        self.sink.write(" ".join(f"{s * 1e3:.3f}" for s in spans) + f" {t['wall']:.3f}\n")
 
 
 def _install(out: str) -> None:
     import time
 
-    from mlx_serve import engine, engine_step, open_requests
+    from mlx_serve import engine, engine_step, open_requests, streaming
     from mlx_serve.runner import batch
 
     probe = _Marks(out)
     submit, take = engine.Engine.submit, open_requests.OpenRequests.open
     run, advance = engine_step.EngineStep.run, batch.Runner._advance
+    deliver, finish = engine.Engine._deliver, engine.Engine._finish
+    stream_response = streaming.SSEResponse.stream_response
 
     def submitted(self, *requests, **kwargs):
         for r in requests:
@@ -80,13 +92,44 @@ def _install(out: str) -> None:
     def advanced(self, live, response):
         delta = advance(self, live, response)
         if delta.text:
-            probe.first_text(live.request.request_id)
+            probe.mark_if(live.request.request_id, "text", "begun")
         return delta
+
+    def delivered(self, deltas):
+        for rid, _ in deltas:
+            probe.mark_if(rid, "loop", "text")
+        return deliver(self, deltas)
+
+    def finished(self, rid, event):
+        probe.mark_if(rid, "loop", "text")  # a first text that also ends the request
+        probe.write(rid)
+        return finish(self, rid, event)
+
+    async def streamed(self, send):
+        # The engine's ids of this reply's choices are the reply's id and "-<index>".
+        prefix = self.headers.get("x-request-id", "") + "-"
+        pending = True
+
+        async def first_frame_marked(message):
+            nonlocal pending
+            await send(message)
+            if pending and message["type"] == "http.response.body":
+                handed_out = [rid for rid, t in probe.marks.items()
+                              if rid.startswith(prefix) and "loop" in t]
+                for rid in handed_out:  # the choices whose first text this frame carried
+                    probe.mark_if(rid, "written", "loop")
+                    probe.write(rid)
+                pending = not handed_out
+
+        return await stream_response(self, first_frame_marked)
 
     engine.Engine.submit = submitted
     open_requests.OpenRequests.open = taken
     engine_step.EngineStep.run = begun
     batch.Runner._advance = advanced
+    engine.Engine._deliver = delivered
+    engine.Engine._finish = finished
+    streaming.SSEResponse.stream_response = streamed
 
 
 if _OUT:
