@@ -114,7 +114,8 @@ def _install(out: str) -> None:
             nonlocal pending
             await send(message)
             if pending and message["type"] == "http.response.body":
-                handed_out = [rid for rid, t in probe.marks.items()
+                # A copy made in one go: the MLX thread may add marks meanwhile.
+                handed_out = [rid for rid, t in list(probe.marks.items())
                               if rid.startswith(prefix) and "loop" in t]
                 for rid in handed_out:  # the choices whose first text this frame carried
                     probe.mark_if(rid, "written", "loop")
