@@ -106,21 +106,21 @@ def _install(out: str) -> None:
         return finish(self, rid, event)
 
     async def streamed(self, send):
-        # The engine's ids of this reply's choices are the reply's id and "-<index>".
+        # The engine's ids of this reply's choices are the reply's id and "-<index>",
+        # all submitted before the stream starts; a copy made in one go, as the MLX
+        # thread may add marks meanwhile.
         prefix = self.headers.get("x-request-id", "") + "-"
-        pending = True
+        pending = [rid for rid in list(probe.marks) if rid.startswith(prefix)]
 
         async def first_frame_marked(message):
             nonlocal pending
             await send(message)
             if pending and message["type"] == "http.response.body":
-                # A copy made in one go: the MLX thread may add marks meanwhile.
-                handed_out = [rid for rid, t in list(probe.marks.items())
-                              if rid.startswith(prefix) and "loop" in t]
-                for rid in handed_out:  # the choices whose first text this frame carried
-                    probe.mark_if(rid, "written", "loop")
+                # The choices whose first text this frame carried are written once.
+                written = [rid for rid in pending if probe.mark_if(rid, "written", "loop")]
+                for rid in written:
                     probe.write(rid)
-                pending = not handed_out
+                pending = [] if written else pending
 
         return await stream_response(self, first_frame_marked)
 
