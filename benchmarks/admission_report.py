@@ -4,12 +4,13 @@
     python -m benchmarks.admission_report --skip 128 /tmp/admission.*   # past a warm-up
     python -m benchmarks.admission_report --runs benchmarks/results/ab-....json /tmp/admission.*
 
-Each line of a probe file is one request: submitted -> taken by the actor, taken -> its
-admitting step begins, that step begins -> first text, first text -> handed out on the
-event loop, handed out -> its stream's first frame written (nan where there was none),
-in milliseconds, then when it was submitted (epoch seconds). With ``--runs`` (an ``ab``
-or ``env_ab`` results file) the requests submitted inside each measured run's span are
-reported as one row per run.
+Each line of a probe file is one request: the HTTP request enters the application ->
+submitted to the engine (nan where no HTTP request submitted it), submitted -> taken by
+the actor, taken -> its admitting step begins, that step begins -> first text, first
+text -> handed out on the event loop, handed out -> its stream's first frame written
+(nan where there was none), in milliseconds, then when it was submitted (epoch seconds).
+With ``--runs`` (an ``ab`` or ``env_ab`` results file) the requests submitted inside
+each measured run's span are reported as one row per run.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 from benchmarks.metrics import percentiles
 from benchmarks.phase_report import runs_of
 
-SPANS = ("submitted -> taken by the actor", "taken -> admitting step begins",
-         "step begins -> first text", "first text -> handed out",
+SPANS = ("entered the application -> submitted", "submitted -> taken by the actor",
+         "taken -> admitting step begins", "step begins -> first text", "first text -> handed out",
          "handed out -> first frame written")
 
 

@@ -309,9 +309,11 @@ def test_the_admission_probe_splits_each_requests_first_token_in_a_real_server(
     (path,) = tmp_path.glob("admission.*")  # one process: re-executing keeps the pid
     rows = read_spans([path])
     # One line per request that produced text: the tiny model's greedy 8 tokens do. Each
-    # has all five spans, in order, down to its stream's first frame written.
+    # has all six spans, in order, from entering the application down to its stream's
+    # first frame written.
     assert len(rows) == 3
-    assert all(len(r) == 6 and all(span >= 0 for span in r[:5]) for r in rows)
+    assert all(len(r) == 7 and all(span >= 0 for span in r[:6]) for r in rows)
+    assert "| entered the application -> submitted |" in format_spans(rows)
     assert "| taken -> admitting step begins |" in format_spans(rows)
     assert "| handed out -> first frame written |" in format_spans(rows)
     # Each request's submission time places it inside the run that sent it.

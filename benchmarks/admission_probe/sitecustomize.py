@@ -1,10 +1,13 @@
 """Where a request's time to first token goes inside mlx_serve, request by request.
 
 Put this folder first on ``PYTHONPATH`` and set ``MLX_ADMISSION_PROBE_OUT=PATH``: the
-server then appends one line per request to ``PATH.<pid>``: five spans in milliseconds,
+server then appends one line per request to ``PATH.<pid>``: six spans in milliseconds,
 then when the request was submitted (epoch seconds, so that ``--runs`` can match it to
 a measured run):
 
+0. the HTTP request enters the application -> submitted to the engine (reading the
+   body, validating it, tokenizing the prompt; ``nan`` for a request submitted by no
+   HTTP request);
 1. submitted to the engine -> taken from its inbox by the actor;
 2. taken -> the batch step that admits it begins on the MLX thread;
 3. that step begins -> the runner has the request's first text (prefill, the steps to
@@ -16,16 +19,17 @@ a measured run):
    that ended with its first text.
 
 The line is written at the first frame, or when the request ends without one. The
-client's TTFT adds what comes before the submission (HTTP, parsing, tokenizing) and the
-socket to the client. ``python -m benchmarks.admission_report PATH.*`` prints
-percentiles. Each hook costs a dictionary look-up or write.
+client's TTFT adds the sockets both ways and the server's parsing of the request line
+and headers before it enters the application. ``python -m benchmarks.admission_report
+PATH.*`` prints percentiles. Each hook costs a dictionary look-up or write.
 """
 
 import os
+from contextvars import ContextVar
 from itertools import pairwise
 
 _OUT = os.environ.get("MLX_ADMISSION_PROBE_OUT")
-_ORDER = ("submitted", "taken", "begun", "text", "loop", "written")
+_ORDER = ("arrived", "submitted", "taken", "begun", "text", "loop", "written")
 
 
 class _Marks:
@@ -62,20 +66,36 @@ class _Marks:
         self.sink.write(" ".join(f"{s * 1e3:.3f}" for s in spans) + f" {t['wall']:.3f}\n")
 
 
+# When the HTTP request being handled entered the application: the route's task, and so
+# its submission, sees the value set as the request came in.
+_ARRIVED: ContextVar[float | None] = ContextVar("admission_probe_arrived", default=None)
+
+
 def _install(out: str) -> None:
     import time
+
+    from starlette.applications import Starlette
 
     from mlx_serve import engine, engine_step, open_requests, streaming
     from mlx_serve.runner import batch
 
     probe = _Marks(out)
+    enter = Starlette.__call__
     submit, take = engine.Engine.submit, open_requests.OpenRequests.open
     run, advance = engine_step.EngineStep.run, batch.Runner._advance
     deliver, finish = engine.Engine._deliver, engine.Engine._finish
     stream_response = streaming.SSEResponse.stream_response
 
+    async def entered(self, scope, receive, send):
+        if scope["type"] == "http":
+            _ARRIVED.set(time.monotonic())
+        return await enter(self, scope, receive, send)
+
     def submitted(self, *requests, **kwargs):
+        arrived = _ARRIVED.get()
         for r in requests:
+            if arrived is not None:
+                probe.marks.setdefault(r.request_id, {})["arrived"] = arrived
             probe.mark(r.request_id, "submitted")
             probe.marks[r.request_id].setdefault("wall", time.time())
         return submit(self, *requests, **kwargs)
@@ -124,6 +144,7 @@ def _install(out: str) -> None:
 
         return await stream_response(self, first_frame_marked)
 
+    Starlette.__call__ = entered
     engine.Engine.submit = submitted
     open_requests.OpenRequests.open = taken
     engine_step.EngineStep.run = begun
