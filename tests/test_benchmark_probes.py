@@ -331,12 +331,35 @@ def test_the_admission_probe_leaves_no_file_from_a_process_that_serves_nothing(t
     env = {**os.environ, "MLX_ADMISSION_PROBE_OUT": str(tmp_path / "admission"),
            "PYTHONPATH": os.pathsep.join([str(root / "benchmarks" / "admission_probe"),
                                           str(root / "src"), str(root)])}
-    done = subprocess.run([sys.executable, "-c", "import sitecustomize; "
-                           "assert sitecustomize._OUT"], env=env, timeout=120,
-                          capture_output=True, text=True)
+    # Nor does such a process import the server to install the probe: with torch
+    # installed, that took tens of seconds in every sampler and harness started.
+    done = subprocess.run([sys.executable, "-c", "import sys, sitecustomize; "
+                           "assert sitecustomize._OUT; "
+                           "assert 'mlx_serve.engine' not in sys.modules"],
+                          env=env, timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "not installed" not in done.stderr
     assert not list(tmp_path.glob("admission.*"))
+
+
+def test_the_admission_probe_installs_only_in_the_server_process():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/admission_probe/sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("admission_probe_site", path)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)  # no MLX_ADMISSION_PROBE_OUT here: nothing installed
+    serves, python = probe.serves, sys.executable
+    assert serves([python, "-m", "mlx_serve", "--model", "m"])
+    assert serves([python, "/venv/bin/mlx-serve", "--port", "8000"])
+    assert serves([python, "-m", "uvicorn", "mlx_serve.app:app"])
+    assert serves([python, "/venv/bin/uvicorn", "mlx_serve.app:app", "--port", "1"])
+    assert not serves([python, "-m", "benchmarks.ab", "--targets", "engine,mlx_serve"])
+    assert not serves([python, "-m", "benchmarks.host", "--period", "0.2"])
+    assert not serves([python, "-m", "uvicorn", "other.app:app"])
+    assert not serves([python, "-c", "import mlx_serve"])
+    assert not serves([python])
 
 
 def test_the_phase_report_pools_the_windows_inside_each_runs_span():

@@ -18,6 +18,11 @@ a measured run):
    route's turn, the frame, the write); ``nan`` for a reply that is not streamed, or
    that ended with its first text.
 
+Only mlx_serve's own process installs the probe (``python -m mlx_serve``, ``mlx-serve``,
+or uvicorn serving ``mlx_serve.app``): the load generator, the host sampler and the
+engine harness start with the same ``PYTHONPATH`` and would each pay for importing the
+server, seconds a process (with torch installed beside transformers, tens of seconds).
+
 The line is written at the first frame, or when the request ends without one. The
 client's TTFT adds the sockets both ways and the server's parsing of the request line
 and headers before it enters the application. ``python -m benchmarks.admission_report
@@ -25,6 +30,7 @@ PATH.*`` prints percentiles. Each hook costs a dictionary look-up or write.
 """
 
 import os
+import sys
 from contextvars import ContextVar
 from itertools import pairwise
 
@@ -154,10 +160,20 @@ def _install(out: str) -> None:
     streaming.SSEResponse.stream_response = streamed
 
 
-if _OUT:
+def serves(argv: list[str]) -> bool:
+    """Whether the command line ``argv`` (``sys.orig_argv``) runs mlx_serve's server."""
+    words = [os.path.basename(a) for a in argv[1:]]
+    if "-m" in words[:-1]:
+        words = words[words.index("-m") + 1:]
+    if not words:
+        return False
+    if words[0] in ("mlx_serve", "mlx-serve"):
+        return True
+    return words[0] == "uvicorn" and any(w.startswith("mlx_serve") for w in words[1:])
+
+
+if _OUT and serves(sys.orig_argv):
     try:
         _install(_OUT)
     except Exception as exc:  # a probe must never stop the server it measures
-        import sys
-
         print(f"admission probe not installed: {exc!r}", file=sys.stderr)
