@@ -34,6 +34,7 @@ from mlx_serve.failpoints import FailPoints
 from mlx_serve.file_limit import raise_open_files_limit
 from mlx_serve.http_errors import EXCEPTION_HANDLERS
 from mlx_serve.http_stack import log_http_stack, log_interpreter_lock
+from mlx_serve.intake_turns import IntakeTurns
 from mlx_serve.metrics import ServerMetrics
 from mlx_serve.mlx_thread import MLXThread
 from mlx_serve.models import DEFAULT_MODEL_ID
@@ -137,7 +138,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         bodies = BodyBudget(settings.max_body_bytes_in_flight)
         state = ServerState(settings, engine, failpoints, served_model_name(settings),
                             ServerMetrics(engine, responses, bodies), responses=responses,
-                            bodies=bodies)
+                            bodies=bodies, intake=IntakeTurns(intake_per_pass(settings)))
         app.state.server = state
         try:
             async with anyio.create_task_group() as tg:
@@ -168,6 +169,12 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                      allow_headers=["*"]))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+
+
+def intake_per_pass(settings: Settings) -> int:
+    """Arrivals prepared per event-loop pass: by default the prompts a prefill step takes."""
+    chosen = settings.intake_per_pass
+    return settings.prefill_batch_size if chosen is None else chosen
 
 
 def _log_settings(settings: Settings) -> None:

@@ -72,9 +72,11 @@ async def completions(request: Request) -> Response:
 
 async def _open(request: Request, model_type: type[Any]
                 ) -> tuple[ServerState, Any, str, Engine | RemoteEngine]:
-    """What every generating endpoint does first: authorize, read and validate the body,
-    check its model, and make sure the engine takes work."""
+    """What every generating endpoint does first: wait its turn in a burst of arrivals,
+    authorize, read and validate the body, check its model, and make sure the engine
+    takes work."""
     state = server_state(request)
+    await state.intake.wait_turn()  # a burst is prepared a few requests a loop pass
     authorize(request, state)
     body = parse(model_type, await read_json(request, state))
     return state, body, check_model(state, body.model), ready_engine(state)
