@@ -9,9 +9,9 @@ in arrival order, for the next passes, and the loop serves its sockets in betwee
 
 ``per_pass`` defaults to the prefill batch size: the engine prefills that many prompts a
 step anyway, so a burst let in that many a pass reaches it in the groups it would have
-taken them in (fewer a pass split a burst into more prefill steps, which cost the
-decoding streams and the burst's own throughput). Without a burst a request begins at
-once.
+taken them in. Letting fewer in a pass splits a burst into more prefill steps, each of
+which holds up the decoding streams (measured: see benchmarks/MEASUREMENTS.md). Without
+a burst a request begins at once.
 """
 
 from __future__ import annotations
