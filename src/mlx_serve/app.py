@@ -138,7 +138,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         bodies = BodyBudget(settings.max_body_bytes_in_flight)
         state = ServerState(settings, engine, failpoints, served_model_name(settings),
                             ServerMetrics(engine, responses, bodies), responses=responses,
-                            bodies=bodies, intake=IntakeTurns(intake_per_pass(settings)))
+                            bodies=bodies, intake=IntakeTurns(settings.intake_per_pass))
         app.state.server = state
         try:
             async with anyio.create_task_group() as tg:
@@ -169,12 +169,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                      allow_headers=["*"]))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
-
-
-def intake_per_pass(settings: Settings) -> int:
-    """Arrivals prepared per event-loop pass: by default the prompts a prefill step takes."""
-    chosen = settings.intake_per_pass
-    return settings.prefill_batch_size if chosen is None else chosen
 
 
 def _log_settings(settings: Settings) -> None:

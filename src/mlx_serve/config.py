@@ -146,12 +146,12 @@ class Settings(BaseSettings):
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] = Field(
         "reasoning", description="reply field(s) that carry a thinking model's reasoning"
     )
-    intake_per_pass: int | None = Field(
-        None, ge=0, le=4096,
-        description="arriving requests one pass of the event loop prepares (reads, "
-                    "validates, tokenizes); a burst's others wait for the next passes, so "
-                    "/health and running streams are served meanwhile (default: "
-                    "prefill_batch_size; 0: no limit)",
+    intake_per_pass: int = Field(
+        0, ge=0, le=4096,
+        description="at most this many arriving requests prepared (read, validated, "
+                    "tokenized) per pass of the event loop, the rest of a burst waiting for "
+                    "the next passes, so /health and running streams are served meanwhile; "
+                    "at least prefill_batch_size if set (0: no limit)",
     )
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
     stream_interval: int = Field(
