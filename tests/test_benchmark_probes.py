@@ -353,6 +353,7 @@ def test_the_admission_probe_installs_only_in_the_server_process():
     serves, python = probe.serves, sys.executable
     assert serves([python, "-m", "mlx_serve", "--model", "m"])
     assert serves([python, "/venv/bin/mlx-serve", "--port", "8000"])
+    assert serves([python, "-u", "/venv/bin/mlx-serve"])
     assert serves([python, "-m", "uvicorn", "mlx_serve.app:app"])
     assert serves([python, "/venv/bin/uvicorn", "mlx_serve.app:app", "--port", "1"])
     assert not serves([python, "-m", "benchmarks.ab", "--targets", "engine,mlx_serve"])

@@ -165,6 +165,9 @@ def serves(argv: list[str]) -> bool:
     words = [os.path.basename(a) for a in argv[1:]]
     if "-m" in words[:-1]:
         words = words[words.index("-m") + 1:]
+    else:  # the interpreter's own options, then the script
+        words = words[next((i for i, w in enumerate(words) if not w.startswith("-")),
+                           len(words)):]
     if not words:
         return False
     if words[0] in ("mlx_serve", "mlx-serve"):
