@@ -11,9 +11,10 @@ Off by default (``per_pass`` 0). Set, it should be at least the prefill batch si
 engine prefills that many prompts a step anyway, so a burst let in that many a pass
 reaches it in the groups it would have taken them in, while fewer a pass split a burst
 into more prefill steps, each of which holds up the decoding streams. On two vCPUs it
-kept the probe sent during a burst of 128 arrivals from 40-77 ms down to 1-28 ms, but
-cost 64 streams about 6 % of their tokens/s (benchmarks/MEASUREMENTS.md, 12-07); it is
-not yet measured on a GPU host, where a request's preparation is longer.
+brought the probe sent during a burst of 128 arrivals from 40-77 ms down to 1-28 ms,
+the tokens/s at 16-128 streams unchanged within the runs' spread
+(benchmarks/MEASUREMENTS.md, 12-07); it stays off until measured on a GPU host, where a
+request's preparation is longer.
 """
 
 from __future__ import annotations
