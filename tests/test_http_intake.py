@@ -1,7 +1,7 @@
 """A real server that prepares one arriving request per event-loop pass
 (``--intake-per-pass 1``): a burst of mixed requests all get their whole answers, the
-same as each alone, and a client that leaves while its request waits its turn costs
-nobody else theirs. Every wait is bounded by a client timeout."""
+same as each alone, and clients that hang up in such a burst cost nobody else theirs.
+Every wait is bounded by a client timeout or a bounded poll."""
 
 from __future__ import annotations
 
@@ -67,13 +67,14 @@ async def test_a_burst_prepared_one_request_a_pass_gets_every_answer(server):
     assert responses == [solo_response] * 4
 
 
-async def test_clients_that_leave_while_waiting_their_turn_cost_the_others_nothing(server):
+async def test_clients_that_hang_up_in_a_paced_burst_cost_the_others_nothing(server):
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
     with sdk_client(server) as client:
         expected = client.completions.create(**body).choices[0].text
 
     async def leaver(c: httpx.AsyncClient) -> None:
-        # Sent among the others and dropped at once: it may still wait for its turn.
+        # Sent among the others and dropped at once, its request perhaps still waiting
+        # for its turn (a cancelled waiter itself: test_intake_turns.py).
         with pytest.raises(httpx.TimeoutException):
             await c.post("/v1/completions", json={**body, "max_tokens": 200},
                          timeout=httpx.Timeout(TIMEOUT, read=0.001))
