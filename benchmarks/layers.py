@@ -44,7 +44,6 @@ import asyncio
 import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from typing import Any
 
 from benchmarks.contenders import MODEL_HELP, rotated
 from benchmarks.engine_limit import BatchSettings, EngineHarness, load_harness
+from benchmarks.metrics import percentiles
 from benchmarks.report import cell, pair_spread, rounds_by_concurrency
 from benchmarks.servers import add_shape_args
 from benchmarks.thread_detail import describe as describe_detail
@@ -218,7 +218,7 @@ class Layers:
                 open_requests -= delta.finish_reason is not None
                 if delta.text and rid in handed:
                     first_text.append(now - handed.pop(rid))
-        return Counted(steps, tokens, median_ms(first_text))
+        return Counted(steps, tokens, percentiles(first_text)["p50"])
 
     def _http(self, prompts: list[list[int]]) -> Counted:
         import uvloop
@@ -269,15 +269,12 @@ class Layers:
             first = engine.statistics().steps
             clients = [asyncio.ensure_future(client()) for _ in range(a.concurrency)]
             await asyncio.wait_for(asyncio.gather(*clients), a.run_time_limit)
-            return Counted(engine.statistics().steps - first, tokens, median_ms(first_text))
+            return Counted(engine.statistics().steps - first, tokens,
+                           percentiles(first_text)["p50"])
         finally:
             engine.abort()
             await asyncio.wait_for(engine.finished.wait(), 30)
             await actor
-
-
-def median_ms(seconds: list[float]) -> float | None:
-    return round(statistics.median(seconds) * 1e3, 3) if seconds else None
 
 
 def python_work(seconds: float) -> None:
