@@ -77,25 +77,16 @@ class _Marks:
 _ARRIVED: ContextVar[float | None] = ContextVar("admission_probe_arrived", default=None)
 
 
-def _install(out: str) -> None:
+def _engine_hooks(probe: _Marks) -> list[tuple[type, str, object]]:
+    """Marks from the submission to the hand-out on the event loop: (owner, name, hook)."""
     import time
 
-    from starlette.applications import Starlette
-
-    from mlx_serve import engine, engine_step, open_requests, streaming
+    from mlx_serve import engine, engine_step, open_requests
     from mlx_serve.runner import batch
 
-    probe = _Marks(out)
-    enter = Starlette.__call__
     submit, take = engine.Engine.submit, open_requests.OpenRequests.open
     run, advance = engine_step.EngineStep.run, batch.Runner._advance
     deliver, finish = engine.Engine._deliver, engine.Engine._finish
-    stream_response = streaming.SSEResponse.stream_response
-
-    async def entered(self, scope, receive, send):
-        if scope["type"] == "http":
-            _ARRIVED.set(time.monotonic())
-        return await enter(self, scope, receive, send)
 
     def submitted(self, *requests, **kwargs):
         arrived = _ARRIVED.get()
@@ -131,6 +122,30 @@ def _install(out: str) -> None:
         probe.write(rid)
         return finish(self, rid, event)
 
+    return [(engine.Engine, "submit", submitted),
+            (open_requests.OpenRequests, "open", taken),
+            (engine_step.EngineStep, "run", begun),
+            (batch.Runner, "_advance", advanced),
+            (engine.Engine, "_deliver", delivered),
+            (engine.Engine, "_finish", finished)]
+
+
+def _http_hooks(probe: _Marks) -> list[tuple[type, str, object]]:
+    """Marks at the request's entry to the application and at its first frame."""
+    import time
+
+    from starlette.applications import Starlette
+
+    from mlx_serve import streaming
+
+    enter = Starlette.__call__
+    stream_response = streaming.SSEResponse.stream_response
+
+    async def entered(self, scope, receive, send):
+        if scope["type"] == "http":
+            _ARRIVED.set(time.monotonic())
+        return await enter(self, scope, receive, send)
+
     async def streamed(self, send):
         # The engine's ids of this reply's choices are the reply's id and "-<index>",
         # all submitted before the stream starts; a copy made in one go, as the MLX
@@ -150,14 +165,15 @@ def _install(out: str) -> None:
 
         return await stream_response(self, first_frame_marked)
 
-    Starlette.__call__ = entered
-    engine.Engine.submit = submitted
-    open_requests.OpenRequests.open = taken
-    engine_step.EngineStep.run = begun
-    batch.Runner._advance = advanced
-    engine.Engine._deliver = delivered
-    engine.Engine._finish = finished
-    streaming.SSEResponse.stream_response = streamed
+    return [(Starlette, "__call__", entered),
+            (streaming.SSEResponse, "stream_response", streamed)]
+
+
+def _install(out: str) -> None:
+    probe = _Marks(out)
+    hooks = _http_hooks(probe) + _engine_hooks(probe)  # all built before any is set
+    for owner, name, hook in hooks:
+        setattr(owner, name, hook)
 
 
 def serves(argv: list[str]) -> bool:
