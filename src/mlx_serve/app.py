@@ -158,6 +158,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
     from mlx_serve.debug_routes import debug_routes
 
     routes = ROUTES + (debug_routes() if settings.failpoints_http else [])
+    return Starlette(routes=routes, middleware=_middleware(settings),
+                     exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+
+
+def _middleware(settings: Settings) -> list[Middleware]:
     # CORS only when asked for: its middleware sits on every streamed chunk's send, and a
     # server open to every web page's scripts should be a choice (Ollama's default too).
     # The guard looks at each request's head only, and refuses what pages of origins not
@@ -167,8 +172,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, allow_origins=settings.origins,
                                      allow_methods=["GET", "POST", "DELETE"],
                                      allow_headers=["*"]))
-    return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    return middleware
 
 
 def _log_settings(settings: Settings) -> None:
