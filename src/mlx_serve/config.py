@@ -151,7 +151,7 @@ class Settings(BaseSettings):
         description="at most this many arriving requests prepared (read, validated, "
                     "tokenized) per pass of the event loop, the rest of a burst waiting for "
                     "the next passes, so /health and running streams are served meanwhile; "
-                    "at least prefill_batch_size if set (0: no limit)",
+                    "best at least prefill_batch_size when set (0: no limit)",
     )
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
     stream_interval: int = Field(
