@@ -13,8 +13,9 @@ reaches it in the groups it would have taken them in, while fewer a pass split a
 into more prefill steps, each of which holds up the decoding streams. On two vCPUs it
 brought the probe sent during a burst of 128 arrivals from 40-77 ms down to 1-28 ms,
 the tokens/s at 16-128 streams unchanged within the runs' spread
-(benchmarks/MEASUREMENTS.md, 12-07); it stays off until measured on a GPU host, where a
-request's preparation is longer.
+(benchmarks/MEASUREMENTS.md, 12-07). On an H100 host it shortened the server's own
+event-loop stalls during such a burst (16-25 ms against 28-66) but not the probe's wait
+(28-164 ms against 56-140), with the tokens/s moving both ways, so it stays off.
 """
 
 from __future__ import annotations
