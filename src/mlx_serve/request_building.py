@@ -121,27 +121,12 @@ def sampling_params(
     runner: Any,
     settings: Settings,
 ) -> SamplingParams:
-    context = runner.context_length
-    room = context - prompt_len
-    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-    if room < 1:
-        raise ContextLengthExceededError(
-            f"the prompt has {prompt_len} tokens; this model's context is {context}",
-            param=param)
-    if max_tokens is None:
-        max_tokens = min(room, settings.default_max_tokens or room)
-    elif prompt_len + max_tokens > context:
-        raise ContextLengthExceededError(
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
-            f"context of {context} tokens", param="max_tokens")
+    max_tokens = _output_budget(body, max_tokens, prompt_len, runner.context_length, settings)
     for field, ids in (("logit_bias", body.logit_bias or {}),
                        ("stop_token_ids", body.stop_token_ids or ())):
         if any(not 0 <= t < runner.vocab_size for t in ids):
             raise RequestError(f"'{field}' holds a token id outside the vocabulary",
                                param=field)
-    if body.min_tokens > max_tokens:
-        raise RequestError(f"'min_tokens' ({body.min_tokens}) must be at most max_tokens "
-                           f"({max_tokens})", param="min_tokens")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     temperature = 1.0 if body.temperature is None else body.temperature
     return SamplingParams(
@@ -166,6 +151,28 @@ def sampling_params(
         min_tokens=body.min_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
     )
+
+
+def _output_budget(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+                   prompt_len: int, context: int, settings: Settings) -> int:
+    """The reply's token limit: what the request asked for, or what the context leaves
+    (capped by the server's default); a 400 where the context cannot hold it."""
+    room = context - prompt_len
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    if room < 1:
+        raise ContextLengthExceededError(
+            f"the prompt has {prompt_len} tokens; this model's context is {context}",
+            param=param)
+    if max_tokens is None:
+        max_tokens = min(room, settings.default_max_tokens or room)
+    elif prompt_len + max_tokens > context:
+        raise ContextLengthExceededError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+            f"context of {context} tokens", param="max_tokens")
+    if body.min_tokens > max_tokens:
+        raise RequestError(f"'min_tokens' ({body.min_tokens}) must be at most max_tokens "
+                           f"({max_tokens})", param="min_tokens")
+    return max_tokens
 
 
 def choices(request_id: str, prompt: list[int], params: SamplingParams, n: int, first: int,
