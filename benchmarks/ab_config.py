@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--isolate", action="store_true",
                    help="start each server for its own run only (warmed each time), so one "
                         "MLX process holds the device at a time")
+    _add_engine_harness_args(p)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
+    _add_memory_mode_args(p)
+    p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/)")
+    return p
+
+
+def _add_engine_harness_args(p: argparse.ArgumentParser) -> None:
+    """How the engine harness runs, and where the stepping threads run."""
     p.add_argument("--engine-one-array-logprobs", action="store_true",
                    help="the engine harness steps with mlx_serve's decode step instead of "
                         "mlx-lm's own (the ratio is then the server's overhead alone)")
@@ -121,15 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "vCPU before every run, and everything else (their other threads, "
                         "mlx_lm.server, the load generator) to the other vCPUs (Linux; "
                         "not with --isolate or --engine-process fresh)")
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, < 2 minutes")
+
+
+def _add_memory_mode_args(p: argparse.ArgumentParser) -> None:
+    """Memory mode: RSS drift over many requests instead of A/B rounds."""
     p.add_argument("--rss-run", type=int, default=None, metavar="N",
                    help="memory mode: N requests against mlx_serve, RSS drift")
     p.add_argument("--rss-warmup", type=int, default=None, metavar="N",
                    help="memory mode: warm-up requests before the first reading "
                         "(default N/10; enough to fill the prefix cache separates a leak "
                         "from the cache filling)")
-    p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/)")
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> ABConfig:
