@@ -229,6 +229,21 @@ def main(argv: list[str] | None = None) -> int:
     variants = list(dict.fromkeys(args.variant or [ALONE, ("spin", "2")]))
     if ALONE not in variants:
         variants.insert(0, ALONE)
+    runs = _measure(args, variants)
+    table = report(runs, [variant_name(v) for v in variants])
+    print(table)
+    out = Path(args.out) if args.out else RESULTS_DIR / f"neighbours-{int(time.time())}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = environment.describe(sys.argv[1:] if argv is None else argv, args.model,
+                                "benchmarks.neighbours")
+    out.write_text(json.dumps({"meta": meta, "runs": runs, "table": table}, indent=1))
+    print(f"results: {out}")
+    return 0
+
+
+def _measure(args: argparse.Namespace, variants: list[Any]) -> list[dict[str, Any]]:
+    """One engine harness process; every round runs each variant's neighbours beside it,
+    in an order rotated every round."""
     names = [variant_name(v) for v in variants]
     batch = BatchConfig(args.decode_batch_size, args.prefill_batch_size,
                         args.prefill_step_size, args.mlx_cache_limit_bytes)
@@ -244,17 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(worker.stop)
         # One unmeasured run first: the first kernels and batch shapes (on CUDA, compiled
         # at first use) are paid there, not in round 0's first variant.
-        warm = Workload(args.prompt_tokens, args.output_tokens,
-                        args.concurrency * args.requests_per_stream, args.concurrency,
-                        args.seed + 777_777, time_limit=args.time_limit)
+        warm = _workload(args, args.seed + 777_777)
         texts = build_prompts(tokenizer, warm.num_requests + 1, warm.prompt_tokens, warm.seed)
         summary = run_engine(worker, workdir, warm, texts[1:], texts[:1], ALONE)
         print(f"warm run (not counted): {summary['output_throughput']:.1f} tok/s", flush=True)
         for rnd in range(args.rounds):
-            workload = Workload(args.prompt_tokens, args.output_tokens,
-                                args.concurrency * args.requests_per_stream,
-                                args.concurrency, args.seed + 1000 * rnd,
-                                time_limit=args.time_limit)
+            workload = _workload(args, args.seed + 1000 * rnd)
             texts = build_prompts(tokenizer, workload.num_requests + 1,
                                   workload.prompt_tokens, workload.seed)
             for name in rotated(tuple(names), rnd):
@@ -269,16 +279,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {rnd} {name}: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in figures(summary).items() if v is not None),
                     flush=True)
-    table = report(runs, names)
-    print(table)
-    out = Path(args.out) if args.out else RESULTS_DIR / f"neighbours-{int(time.time())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = environment.describe(sys.argv[1:] if argv is None else argv, args.model,
-                                "benchmarks.neighbours")
-    out.write_text(json.dumps({"meta": meta, "runs": runs, "table": table}, indent=1))
-    print(f"results: {out}")
-    return 0
+    return runs
 
+
+def _workload(args: argparse.Namespace, seed: int) -> Workload:
+    return Workload(args.prompt_tokens, args.output_tokens,
+                    args.concurrency * args.requests_per_stream, args.concurrency, seed,
+                    time_limit=args.time_limit)
 
 if __name__ == "__main__":
     sys.exit(main())
