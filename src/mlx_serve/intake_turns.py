@@ -15,7 +15,8 @@ brought the probe sent during a burst of 128 arrivals from 40-77 ms down to 1-28
 the tokens/s at 16-128 streams unchanged within the runs' spread
 (benchmarks/MEASUREMENTS.md, 12-07). On an H100 host it shortened the server's own
 event-loop stalls during such a burst (16-25 ms against 28-66) but not the probe's wait
-(28-164 ms against 56-140), with the tokens/s moving both ways, so it stays off.
+(28-164 ms against 56-140), with the tokens/s moving both ways, so it stays off by
+default.
 """
 
 from __future__ import annotations
