@@ -401,6 +401,14 @@ def test_unknown_route_is_404_in_openai_shape(http, path):
     error_of(http.get(path), 404)
 
 
+def test_404_and_405_say_which_request_they_answer(http):
+    assert error_of(http.post("/v1/embeddings", json={}), 404)["message"].startswith(
+        "Invalid URL (POST /v1/embeddings)")
+    message = error_of(http.get("/v1/chat/completions"), 405)["message"]
+    assert message.startswith("Method not allowed (GET /v1/chat/completions)")
+    assert "POST" in message
+
+
 @pytest.mark.parametrize("method,path", [
     ("GET", "/v1/chat/completions"), ("PUT", "/v1/completions"), ("POST", "/v1/models"),
     ("DELETE", "/health"), ("POST", "/live"),

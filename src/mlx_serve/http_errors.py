@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
+from http import HTTPStatus
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -42,10 +43,24 @@ async def handle_mlx_serve_error(request: Request, exc: Exception) -> Response:
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    error = MLXServeError(str(exc.detail), code=None)
+    error = MLXServeError(_http_error_message(request, exc), code=None)
     error.status_code = exc.status_code
     error.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(request, error, exc.headers)  # e.g. Allow on a 405
+
+
+def _http_error_message(request: Request, exc: HTTPException) -> str:
+    """Starlette's bare "Not Found" and "Method Not Allowed" from routing say which
+    request they answer, as OpenAI's API does ("Invalid URL (POST /v1/embeddings)")."""
+    target = f"{request.method} {request.url.path}"
+    if exc.detail == HTTPStatus(exc.status_code).phrase:
+        if exc.status_code == 404:
+            return f"Invalid URL ({target}): this server has no such endpoint"
+        if exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow")
+            return (f"Method not allowed ({target})"
+                    + (f": this endpoint takes {allowed}" if allowed else ""))
+    return str(exc.detail)
 
 
 async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
