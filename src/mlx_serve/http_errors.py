@@ -53,13 +53,12 @@ def _http_error_message(request: Request, exc: HTTPException) -> str:
     """Starlette's bare "Not Found" and "Method Not Allowed" from routing say which
     request they answer, as OpenAI's API does ("Invalid URL (POST /v1/embeddings)")."""
     target = f"{request.method} {request.url.path}"
-    if exc.detail == HTTPStatus(exc.status_code).phrase:
-        if exc.status_code == 404:
-            return f"Invalid URL ({target}): this server has no such endpoint"
-        if exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow")
-            return (f"Method not allowed ({target})"
-                    + (f": this endpoint takes {allowed}" if allowed else ""))
+    if exc.status_code == 404 and exc.detail == HTTPStatus.NOT_FOUND.phrase:
+        return f"Invalid URL ({target}): this server has no such endpoint"
+    if exc.status_code == 405 and exc.detail == HTTPStatus.METHOD_NOT_ALLOWED.phrase:
+        allowed = (exc.headers or {}).get("Allow")
+        return (f"Method not allowed ({target})"
+                + (f": this endpoint takes {allowed}" if allowed else ""))
     return str(exc.detail)
 
 
