@@ -3,6 +3,7 @@ interpreter lock, long ones releasing it."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -146,3 +147,84 @@ def test_a_backend_that_disagrees_on_the_probe_is_not_used(tiny_model_dir: Path,
     assert not encode.direct
     assert "disagrees" in caplog.text
     assert encode("Hello") == hf.encode("Hello")
+
+
+class _CountingBackend:
+    """The Rust tokenizer, counting how it is called and from which thread."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.calls: list[tuple[str, int, int]] = []  # (method, texts, thread)
+
+    def encode(self, text, add_special_tokens=True):
+        self.calls.append(("encode", 1, threading.get_ident()))
+        return self._inner.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        self.calls.append(("encode_batch", len(texts), threading.get_ident()))
+        return self._inner.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+
+def _counting(tokenizer) -> tuple[PromptEncoder, _CountingBackend]:
+    encode = PromptEncoder(tokenizer)
+    assert encode.direct
+    backend = _CountingBackend(encode._backend)
+    encode._backend = backend
+    return encode, backend
+
+
+def test_a_lone_prompt_is_encoded_in_place_and_a_burst_in_one_batch_off_the_loop(
+        tiny_model_dir: Path) -> None:
+    tokenizer = _tokenizer(tiny_model_dir)
+    encode, backend = _counting(tokenizer)
+    texts = [f"{text} #{i}" for i, text in enumerate(TEXTS[:-1] * 6)]
+
+    async def lone() -> list[int]:
+        return await encode.encode_soon(texts[0])
+
+    async def burst() -> list[list[int]]:  # asked for in one pass of the loop
+        return list(await asyncio.gather(*(encode.encode_soon(t) for t in texts)))
+
+    loop_thread = threading.get_ident()
+    assert asyncio.run(asyncio.wait_for(lone(), 30)) == tokenizer.encode(texts[0])
+    assert backend.calls == [("encode", 1, loop_thread)]
+    backend.calls.clear()
+    assert asyncio.run(asyncio.wait_for(burst(), 30)) == [tokenizer.encode(t) for t in texts]
+    assert [(m, n) for m, n, _ in backend.calls] == [("encode_batch", len(texts))]
+    assert backend.calls[0][2] != loop_thread
+
+
+def test_a_burst_without_special_tokens_and_a_departed_request(tiny_model_dir: Path) -> None:
+    """Each flag is its own batch, off the loop; a request gone before its batch is done
+    is skipped."""
+    tokenizer = _tokenizer(tiny_model_dir)
+    encode, backend = _counting(tokenizer)
+
+    async def burst() -> tuple[list[int], list[int], list[int]]:
+        with_special = encode.encode_soon("Hello world")
+        gone = encode.encode_soon("a client that left")
+        gone.cancel()
+        plain = [encode.encode_soon(t, add_special_tokens=False) for t in TEXTS[:3]]
+        first = await with_special
+        return first, *(await asyncio.gather(*plain))[:2]
+
+    first, *plain = asyncio.run(asyncio.wait_for(burst(), 30))
+    assert first == tokenizer.encode("Hello world")
+    assert plain == [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS[:2]]
+    assert sorted((m, n) for m, n, _ in backend.calls) == [("encode_batch", 1), ("encode_batch", 3)]
+
+
+def test_a_failing_batch_fails_each_request_that_waits(tiny_model_dir: Path) -> None:
+    encode, backend = _counting(_tokenizer(tiny_model_dir))
+
+    def broken(texts, add_special_tokens=True):
+        raise RuntimeError("tokenizer fault")
+
+    backend.encode_batch = broken
+
+    async def burst() -> list[object]:
+        return await asyncio.gather(*(encode.encode_soon(t) for t in TEXTS[:3]),
+                                    return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(burst(), 30))
+    assert [str(r) for r in results] == ["tokenizer fault"] * 3

@@ -62,6 +62,9 @@ class RecordingEncoder:
         self.threads.append(threading.get_ident())
         return [1]
 
+    async def encode_soon(self, text: str) -> list[int]:  # PromptEncoder's, in place
+        return self(text)
+
 
 async def test_a_few_short_prompts_are_encoded_on_the_loop_and_many_in_a_thread():
     tokenizer = RecordingEncoder()

@@ -7,6 +7,7 @@ logged warning, as vLLM does.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -268,7 +269,10 @@ async def _completion_prompts(body: CompletionRequest, runner: Any) -> list[list
         if any(not p for p in field):
             raise RequestError("'prompt' must not be empty", param="prompt")
         chars = sum(ITEM_OVERHEAD_CHARS + len(p) for p in field)  # many short ones add up
-        prompts = [await off_loop_if_long(chars, runner.encode, p) for p in field]
+        if chars <= INLINE_TEXT_CHARS:  # with the other prompts of this loop pass
+            prompts = list(await asyncio.gather(*map(runner.encode.encode_soon, field)))
+        else:
+            prompts = [await off_loop_if_long(chars, runner.encode, p) for p in field]
     if any(not 0 <= t < runner.vocab_size for p in prompts for t in p):
         raise RequestError("'prompt' holds a token id outside the vocabulary", param="prompt")
     return prompts
