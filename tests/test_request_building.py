@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from types import SimpleNamespace
 
@@ -75,3 +76,27 @@ async def test_a_few_short_prompts_are_encoded_on_the_loop_and_many_in_a_thread(
     tokenizer.threads.clear()
     await _completion_prompts(CompletionRequest.model_validate({"prompt": ["a"] * 100}), runner)
     assert len(tokenizer.threads) == 100 and loop_thread not in tokenizer.threads
+
+
+async def test_short_chats_arriving_together_are_encoded_in_one_batch(tiny_model_dir):
+    """Rendered on the loop, their texts encoded together off it, to the same tokens."""
+    from mlx_lm.tokenizer_utils import load
+
+    from mlx_serve.prompt_encoder import PromptEncoder
+    from mlx_serve.prompts import render_chat
+    from mlx_serve.request_building import _rendered
+
+    tokenizer = load(tiny_model_dir)
+    encode = PromptEncoder(tokenizer)
+    batches: list[int] = []
+    backend = encode._backend
+    encode._backend = SimpleNamespace(
+        encode=backend.encode,
+        encode_batch=lambda texts, **kw: batches.append(len(texts))
+        or backend.encode_batch(texts, **kw))
+    runner = SimpleNamespace(tokenizer=tokenizer, encode=encode)
+    bodies = [chat(messages=[{"role": "user", "content": f"question {i}"}]) for i in range(5)]
+    rendered = await asyncio.gather(*(_rendered(body, runner) for body in bodies))
+    assert batches == [5]
+    assert [r.tokens for r in rendered] == [
+        render_chat(tokenizer, PromptEncoder(tokenizer), body).tokens for body in bodies]

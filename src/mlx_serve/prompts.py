@@ -161,8 +161,25 @@ def effort_kwargs(effort: str, tokenizer: Any) -> dict[str, Any]:
         "reasoning setting)", param="reasoning_effort")
 
 
+@dataclass(frozen=True)
+class ChatText:
+    """A chat rendered by its template, before it is encoded."""
+
+    text: str
+    tools: list[dict] | None
+    kwargs: dict[str, Any]
+
+
 def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionRequest
                 ) -> Rendered:
+    chat = chat_text(tokenizer, body)
+    # What apply_chat_template(tokenize=True) does, through the lock-keeping encoder.
+    return rendered_chat(tokenizer, encode, body, chat,
+                         encode(chat.text, add_special_tokens=False))
+
+
+def chat_text(tokenizer: Any, body: ChatCompletionRequest) -> ChatText:
+    """The chat's prompt as its template renders it (no tokens yet)."""
     if not getattr(tokenizer, "has_chat_template", True):
         raise RequestError("this model has no chat template; use /v1/completions")
     tools = offered_tools(body, tokenizer)
@@ -181,8 +198,12 @@ def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionReque
                            param="messages") from None
     if body.continue_final_message:
         text = open_final_message(text, messages[-1]["content"])
-    # What apply_chat_template(tokenize=True) does, through the lock-keeping encoder.
-    tokens = encode(text, add_special_tokens=False)
+    return ChatText(text, tools, kwargs)
+
+
+def rendered_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionRequest,
+                  chat: ChatText, tokens: list[int]) -> Rendered:
+    """The rendered chat, given its text's tokens (``add_special_tokens`` false)."""
     thinking = bool(getattr(tokenizer, "has_thinking", False))
     initial = "normal"
     if thinking and tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens):
@@ -194,11 +215,11 @@ def render_chat(tokenizer: Any, encode: PromptEncoder, body: ChatCompletionReque
                            "final message", param="continue_final_message")
     if forced is not None:  # open the call in the prompt; the schema does the rest
         opening = (tokenizer.think_end + "\n" if initial == "reasoning" else "")
-        tokens += encode(opening + tokenizer.tool_call_start, add_special_tokens=False)
+        tokens = tokens + encode(opening + tokenizer.tool_call_start, add_special_tokens=False)
         initial = "tool"
-    return Rendered(tokens, tools, thinking or tools is not None, initial, forced,
-                    thinking_off=False in (kwargs.get("enable_thinking"),
-                                           kwargs.get("thinking")))
+    return Rendered(tokens, chat.tools, thinking or chat.tools is not None, initial, forced,
+                    thinking_off=False in (chat.kwargs.get("enable_thinking"),
+                                           chat.kwargs.get("thinking")))
 
 
 def open_final_message(text: str, content: Any) -> str:

@@ -20,7 +20,13 @@ from mlx_serve.config import Settings
 from mlx_serve.errors import ContextLengthExceededError, RequestError, UnsupportedParameterError
 from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
 from mlx_serve.prompt_encoder import KEEP_LOCK_UP_TO_CHARS
-from mlx_serve.prompts import render_chat, with_allowed_tools
+from mlx_serve.prompts import (
+    Rendered,
+    chat_text,
+    render_chat,
+    rendered_chat,
+    with_allowed_tools,
+)
 from mlx_serve.protocol import (
     ACCEPTED_NO_EFFECT,
     MESSAGE_UNSUPPORTED,
@@ -197,8 +203,7 @@ async def build_chat_request(
     body = with_allowed_tools(body)
     if body.top_logprobs and not body.logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    rendered = await off_loop_if_long(_chat_chars(body), render_chat, runner.tokenizer,
-                                      runner.encode, body)
+    rendered = await _rendered(body, runner)
     calls = held_calls(body, rendered, runner.tokenizer)
     response_format, format_param = await compile_format(
         body, runner, rendered.forced_call, calls,
@@ -240,6 +245,19 @@ async def off_loop_if_long(chars: int | None, fn: Callable[..., T], *args: Any) 
     if chars is not None and chars <= INLINE_TEXT_CHARS:
         return fn(*args)
     return await anyio.to_thread.run_sync(fn, *args)
+
+
+async def _rendered(body: ChatCompletionRequest, runner: Any) -> Rendered:
+    """A short chat is rendered on the event loop and its text encoded with the other
+    prompts of this loop pass (``PromptEncoder.encode_soon``); a long one, or one with
+    tools, all in a worker thread."""
+    chars = _chat_chars(body)
+    if chars is None or chars > INLINE_TEXT_CHARS:
+        return await anyio.to_thread.run_sync(render_chat, runner.tokenizer, runner.encode,
+                                              body)
+    chat = chat_text(runner.tokenizer, body)
+    tokens = await runner.encode.encode_soon(chat.text, add_special_tokens=False)
+    return rendered_chat(runner.tokenizer, runner.encode, body, chat, tokens)
 
 
 # The fixed work of each message a template renders (role markers, separators) or each
