@@ -128,7 +128,7 @@ class _Variants:
                 self.workdir, {**self.native.env(), **self.extra[name]}, stack)
         for i, server in enumerate(servers.values()):
             server.wait_ready(self.args.startup_timeout)
-            warm_up(Target(server.base_url), self.tokenizer, self.args.prompt_tokens,
+            warm_up(Target(server.base_url, self.args.api), self.tokenizer, self.args.prompt_tokens,
                     max(self.args.concurrency), 999_999 + i)
         return servers
 
@@ -168,7 +168,7 @@ def warm_runs(args: argparse.Namespace, tokenizer: Any,
     prompts = build_prompts(tokenizer, workload.num_requests, args.prompt_tokens,
                             workload.seed)
     for name, server in servers.items():
-        summary = measured_load(server, Target(server.base_url, request_timeout=60.0),
+        summary = measured_load(server, Target(server.base_url, args.api, request_timeout=60.0),
                                 workload, prompts)["summary"]
         print(warm_run_line(name, summary), flush=True)
 
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                          or {name: server.pid}) if args.settle else None)
                         if settled:
                             print(describe_quiet(settled), flush=True)
-                        target = Target(server.base_url, request_timeout=60.0,
+                        target = Target(server.base_url, args.api, request_timeout=60.0,
                                         health_probe=args.health_probe or None)
                         began = time.time()
                         summary = measured_load(server, target, workload, prompts)["summary"]
@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--health-probe", type=float, default=0.0, help="seconds; 0 disables")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions")
     p.add_argument("--run-time-limit", type=float, default=120.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--settle", type=float, default=0.0,

@@ -385,12 +385,15 @@ def test_env_ab_warms_each_shared_server_with_one_uncounted_run(tiny_model_dir, 
         "--model", str(tiny_model_dir), "--variant", "-",
         "--variant", "MLX_SERVE_STREAM_INTERVAL=4", "--concurrency", "2", "--rounds", "1",
         "--prompt-tokens", "16", "--output-tokens", "8", "--min-requests", "2",
-        "--requests-per-stream", "1", "--decode-batch-size", "8", "--run-time-limit", "60"])
+        "--requests-per-stream", "1", "--decode-batch-size", "8", "--run-time-limit", "60",
+        "--api", "chat"])
     report = env_ab.run(args)
     out = capsys.readouterr().out
     assert out.count("warm run - (not counted): 2 ok, 0 failed") == 1
     assert out.count("warm run MLX_SERVE_STREAM_INTERVAL=4 (not counted): 2 ok, 0 failed") == 1
     assert [r["summary"]["completed"] for r in report["runs"]] == [2, 2]  # warm runs left out
+    # Chat requests: the template wraps each 16-token prompt in more tokens.
+    assert all(r["summary"]["prompt_tokens"] > 2 * 16 for r in report["runs"])
     # The results say what the servers parsed HTTP with (h11 without httptools).
     assert report["meta"]["versions"]["httptools"] is not None
     assert "uvloop" in report["meta"]["versions"]
