@@ -23,7 +23,9 @@ each encoded with the lock kept, held the event loop for 65 ms of a burst on an 
 host (py-spy), /health waiting behind them. ``encode_soon`` gathers the short prompts
 asked for in one pass of the loop: a lone one is encoded in place as before, several go
 to a worker thread as one ``encode_batch``, which releases the lock and encodes them in
-parallel, so the loop serves its sockets meanwhile.
+parallel, so the loop serves its sockets meanwhile. On two vCPUs, with 128 completions
+arriving at once, a run's slowest /health probe went from 50-64 ms to 6-17 ms, the
+tokens/s unchanged (benchmarks/MEASUREMENTS.md, 12-07).
 """
 
 from __future__ import annotations
