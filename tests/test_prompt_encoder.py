@@ -228,3 +228,34 @@ def test_a_failing_batch_fails_each_request_that_waits(tiny_model_dir: Path) -> 
 
     results = asyncio.run(asyncio.wait_for(burst(), 30))
     assert [str(r) for r in results] == ["tokenizer fault"] * 3
+
+
+def test_texts_made_by_functions_are_made_where_they_are_encoded(tiny_model_dir: Path) -> None:
+    """A lone one on the loop; a burst's on the worker, where one that fails fails alone."""
+    tokenizer = _tokenizer(tiny_model_dir)
+    encode = PromptEncoder(tokenizer)
+    made_on: list[int] = []
+
+    def maker(text: str):
+        def make() -> str:
+            made_on.append(threading.get_ident())
+            if text == "refused":
+                raise ValueError("the template refused it")
+            return text
+        return make
+
+    async def lone() -> list[int]:
+        return await encode.encode_soon(maker("Hello world"))
+
+    async def burst() -> list[object]:
+        return await asyncio.gather(*(encode.encode_soon(maker(t)) for t in
+                                      ["Hello", "refused", "world"]), return_exceptions=True)
+
+    loop_thread = threading.get_ident()
+    assert asyncio.run(asyncio.wait_for(lone(), 30)) == tokenizer.encode("Hello world")
+    assert made_on == [loop_thread]
+    made_on.clear()
+    hello, refused, world = asyncio.run(asyncio.wait_for(burst(), 30))
+    assert (hello, world) == (tokenizer.encode("Hello"), tokenizer.encode("world"))
+    assert isinstance(refused, ValueError)
+    assert len(made_on) == 3 and loop_thread not in made_on

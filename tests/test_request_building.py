@@ -79,7 +79,7 @@ async def test_a_few_short_prompts_are_encoded_on_the_loop_and_many_in_a_thread(
 
 
 async def test_short_chats_arriving_together_are_encoded_in_one_batch(tiny_model_dir):
-    """Rendered on the loop, their texts encoded together off it, to the same tokens."""
+    """Rendered and encoded together off the loop, to the same tokens."""
     from mlx_lm.tokenizer_utils import load
 
     from mlx_serve.prompt_encoder import PromptEncoder
@@ -100,3 +100,10 @@ async def test_short_chats_arriving_together_are_encoded_in_one_batch(tiny_model
     assert batches == [5]
     assert [r.tokens for r in rendered] == [
         render_chat(tokenizer, PromptEncoder(tokenizer), body).tokens for body in bodies]
+    # A chat its template refuses fails alone, the others of its burst answered.
+    refused = chat(messages=[{"role": "user", "content": "hi"}],
+                   add_generation_prompt=True, continue_final_message=True)
+    results = await asyncio.gather(_rendered(bodies[0], runner), _rendered(refused, runner),
+                                   return_exceptions=True)
+    assert results[0].tokens == rendered[0].tokens
+    assert "continue_final_message" in str(results[1])

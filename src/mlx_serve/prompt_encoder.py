@@ -23,9 +23,10 @@ each encoded with the lock kept, held the event loop for 65 ms of a burst on an 
 host (py-spy), /health waiting behind them. ``encode_soon`` gathers the short prompts
 asked for in one pass of the loop: a lone one is encoded in place as before, several go
 to a worker thread as one ``encode_batch``, which releases the lock and encodes them in
-parallel, so the loop serves its sockets meanwhile. On two vCPUs, with 128 completions
-arriving at once, a run's slowest /health probe went from 50-64 ms to 6-17 ms, the
-tokens/s unchanged (benchmarks/MEASUREMENTS.md, 12-07).
+parallel, so the loop serves its sockets meanwhile. A text may come as the function
+that makes it (a chat's template), which then runs where the text is encoded. On two
+vCPUs, with 128 completions arriving at once, a run's slowest /health probe went from
+50-64 ms to 6-17 ms, the tokens/s unchanged (benchmarks/MEASUREMENTS.md, 12-07).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ _PROBE = ("  Hello <|im_start|>user\n<s></s>[INST] world!\t\tÇa va? 🙂 12345 
           "<|endoftext|><|eot_id|> end  ")
 
 
+# A prompt's text, or a function that makes it (see PromptEncoder.encode_soon).
+Text = str | Callable[[], str]
+
 # The longest text encoded with the lock kept; request_building encodes no longer text
 # on the event loop.
 KEEP_LOCK_UP_TO_CHARS = 2048
@@ -59,7 +63,7 @@ class PromptEncoder:
         # encode_soon's texts of the current loop pass, per event loop (tests run several)
         self._batches: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop,
-            list[tuple[str, bool, asyncio.Future[list[int]]]]] = weakref.WeakKeyDictionary()
+            list[tuple[Text, bool, asyncio.Future[list[int]]]]] = weakref.WeakKeyDictionary()
         if self._backend is not None and not self._agrees():
             log.warning("the tokenizer's Rust encoder disagrees with its encode(); "
                         "encoding prompts through transformers")
@@ -87,10 +91,13 @@ class PromptEncoder:
                 list(texts), add_special_tokens=add_special_tokens)]
         return [self(text, add_special_tokens) for text in texts]
 
-    def encode_soon(self, text: str, add_special_tokens: bool = True
+    def encode_soon(self, text: Text, add_special_tokens: bool = True
                     ) -> asyncio.Future[list[int]]:
         """On the event loop: ``text``'s ids, encoded with whatever else is asked for in
-        this pass of the loop (see the module's docstring)."""
+        this pass of the loop (see the module's docstring). ``text`` may be a function
+        that makes it (a chat's template): it runs where the text is encoded, so a
+        burst's texts are made on the worker thread too; what it raises is this
+        request's error alone."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[int]] = loop.create_future()
         batch = self._batches.get(loop)
@@ -104,14 +111,31 @@ class PromptEncoder:
         batch = [item for item in self._batches.pop(loop, []) if not item[2].done()]
         if len(batch) == 1 or (batch and self._backend is None):  # in place, lock kept
             for text, special, future in batch:
-                _settle(future, functools.partial(self, text, special))
+                _settle(future, functools.partial(self._encode_one, text, special))
             return
         for special in (True, False):
             group = [(text, future) for text, s, future in batch if s is special]
             if group:
-                work = loop.run_in_executor(None, self.encode_many,
+                work = loop.run_in_executor(None, self._encode_group,
                                             [text for text, _ in group], special)
                 work.add_done_callback(functools.partial(_hand_out, group=group))
+
+    def _encode_one(self, text: Text, add_special_tokens: bool) -> list[int]:
+        return self(text() if callable(text) else text, add_special_tokens)
+
+    def _encode_group(self, items: list[Text], add_special_tokens: bool
+                      ) -> list[list[int] | Exception]:
+        """On a worker thread: each item's text (made here if a function), then one
+        ``encode_many``; an item whose text could not be made gets its error."""
+        texts: list[str | Exception] = []
+        for item in items:
+            try:
+                texts.append(item() if callable(item) else item)
+            except Exception as exc:  # e.g. a template that refuses the messages
+                texts.append(exc)
+        ids = iter(self.encode_many([t for t in texts if isinstance(t, str)],
+                                    add_special_tokens))
+        return [t if isinstance(t, Exception) else next(ids) for t in texts]
 
     def _agrees(self) -> bool:
         assert self._backend is not None
@@ -130,8 +154,8 @@ def _settle(future: asyncio.Future[list[int]], encode: Callable[[], list[int]]) 
         future.set_result(ids)
 
 
-def _hand_out(work: asyncio.Future[list[list[int]]], *,
-              group: list[tuple[str, asyncio.Future[list[int]]]]) -> None:
+def _hand_out(work: asyncio.Future[list[list[int] | Exception]], *,
+              group: list[tuple[Text, asyncio.Future[list[int]]]]) -> None:
     """A batch's ids to the requests still waiting for them (a departed client's not)."""
     for i, (_, future) in enumerate(group):
         if future.done():
@@ -140,8 +164,10 @@ def _hand_out(work: asyncio.Future[list[list[int]]], *,
             future.cancel()
         elif (failure := work.exception()) is not None:
             future.set_exception(failure)
+        elif isinstance(result := work.result()[i], Exception):
+            future.set_exception(result)
         else:
-            future.set_result(work.result()[i])
+            future.set_result(result)
 
 
 def _stock_backend(tokenizer: Any) -> Any | None:

@@ -21,6 +21,7 @@ from mlx_serve.errors import ContextLengthExceededError, RequestError, Unsupport
 from mlx_serve.generation import GenerationRequest, OutputOptions, SamplingParams
 from mlx_serve.prompt_encoder import KEEP_LOCK_UP_TO_CHARS
 from mlx_serve.prompts import (
+    ChatText,
     Rendered,
     chat_text,
     render_chat,
@@ -248,16 +249,21 @@ async def off_loop_if_long(chars: int | None, fn: Callable[..., T], *args: Any) 
 
 
 async def _rendered(body: ChatCompletionRequest, runner: Any) -> Rendered:
-    """A short chat is rendered on the event loop and its text encoded with the other
-    prompts of this loop pass (``PromptEncoder.encode_soon``); a long one, or one with
-    tools, all in a worker thread."""
+    """A short chat is rendered and encoded with the other prompts of this loop pass
+    (``PromptEncoder.encode_soon``: alone, on the loop; in a burst, on a worker thread);
+    a long one, or one with tools, in a worker thread of its own."""
     chars = _chat_chars(body)
     if chars is None or chars > INLINE_TEXT_CHARS:
         return await anyio.to_thread.run_sync(render_chat, runner.tokenizer, runner.encode,
                                               body)
-    chat = chat_text(runner.tokenizer, body)
-    tokens = await runner.encode.encode_soon(chat.text, add_special_tokens=False)
-    return rendered_chat(runner.tokenizer, runner.encode, body, chat, tokens)
+    made: list[ChatText] = []
+
+    def text() -> str:  # where the encoder runs it
+        made.append(chat_text(runner.tokenizer, body))
+        return made[0].text
+
+    tokens = await runner.encode.encode_soon(text, add_special_tokens=False)
+    return rendered_chat(runner.tokenizer, runner.encode, body, made[0], tokens)
 
 
 # The fixed work of each message a template renders (role markers, separators) or each
