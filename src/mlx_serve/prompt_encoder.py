@@ -148,7 +148,7 @@ class PromptEncoder:
 def _settle(future: asyncio.Future[list[int]], encode: Callable[[], list[int]]) -> None:
     try:
         ids = encode()
-    except Exception as exc:  # the request that asked gets it (a 500), not the loop
+    except Exception as exc:  # the request that asked gets it, not the loop
         future.set_exception(exc)
     else:
         future.set_result(ids)
