@@ -66,6 +66,9 @@ class RecordingEncoder:
     async def encode_soon(self, text: str) -> list[int]:  # PromptEncoder's, in place
         return self(text)
 
+    def encode_many(self, texts: list[str]) -> list[list[int]]:  # PromptEncoder's
+        return [self(text) for text in texts]
+
 
 async def test_a_few_short_prompts_are_encoded_on_the_loop_and_many_in_a_thread():
     tokenizer = RecordingEncoder()

@@ -295,8 +295,8 @@ async def _completion_prompts(body: CompletionRequest, runner: Any) -> list[list
         chars = sum(ITEM_OVERHEAD_CHARS + len(p) for p in field)  # many short ones add up
         if chars <= INLINE_TEXT_CHARS:  # with the other prompts of this loop pass
             prompts = list(await asyncio.gather(*map(runner.encode.encode_soon, field)))
-        else:
-            prompts = [await off_loop_if_long(chars, runner.encode, p) for p in field]
+        else:  # one hop for all of them, not one each
+            prompts = await anyio.to_thread.run_sync(runner.encode.encode_many, field)
     if any(not 0 <= t < runner.vocab_size for p in prompts for t in p):
         raise RequestError("'prompt' holds a token id outside the vocabulary", param="prompt")
     return prompts
