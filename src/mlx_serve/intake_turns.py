@@ -16,8 +16,10 @@ the tokens/s at 16-128 streams unchanged within the runs' spread
 (benchmarks/MEASUREMENTS.md, 12-07). On an H100 host it shortened the server's own
 event-loop stalls during such a burst (16-25 ms against 28-66) but not the probe's wait
 (28-164 ms against 56-140), with the tokens/s moving both ways, so it stays off by
-default. Most of a burst's time on the loop was its prompts' encoding, which
-``PromptEncoder.encode_soon`` now takes off the loop for the prompts of a pass together.
+default. The largest single item of a burst's time on the loop there was its prompts'
+encoding (22 % of the lock-held samples), which ``PromptEncoder.encode_soon`` now takes
+off the loop for the prompts of a pass together; what remains is each request's own
+reading, validating and routing.
 """
 
 from __future__ import annotations

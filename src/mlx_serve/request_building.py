@@ -231,10 +231,12 @@ async def build_chat_request(
                     or (calls is not None and calls["as_json"]))
 
 
-# Text up to this many characters is rendered and tokenized on the event loop: that
-# takes 0.1-0.5 ms, less than a worker-thread hop, which added about 1 ms to the time
-# to first token under load. Longer text (a long prompt is CPU work) goes to a thread,
-# where the encoder releases the interpreter lock (prompt_encoder.py).
+# Text up to this many characters is rendered and tokenized with the other short
+# prompts of its event-loop pass (PromptEncoder.encode_soon): a lone one on the loop,
+# where it takes 0.1-0.5 ms, less than a worker-thread hop, which added about 1 ms to
+# the time to first token under load; a burst's together on one worker thread. Longer
+# text (a long prompt is CPU work) goes to a thread of its own, where the encoder
+# releases the interpreter lock (prompt_encoder.py).
 INLINE_TEXT_CHARS = KEEP_LOCK_UP_TO_CHARS
 
 
