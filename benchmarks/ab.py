@@ -4,7 +4,9 @@ One invocation builds or locates the model, starts both servers on 127.0.0.1 (fr
 ports, same model, same batch settings), waits for readiness (bounded), then for each
 round and each concurrency runs engine, mlx_serve, mlx_lm (in an order rotated every
 round: ``contenders.rotated``) on the same fresh prompts, and prints per-concurrency
-ratios (median [min-max] over rounds). Raw results go to benchmarks/results/. Every
+ratios (median [min-max] over rounds). ``engine_b``, when named in ``--targets``, is a
+second engine-harness process of its own: an A/A control, engine_b over engine says how
+far two identical processes read apart on this host. Raw results go to benchmarks/results/. Every
 started process is stopped on the way out, Ctrl-C and SIGTERM included; every run is
 bounded in requests and time.
 
@@ -39,7 +41,15 @@ from benchmarks.host import describe_quiet, quiet
 from benchmarks.loadgen import Target, warm_up
 from benchmarks.memory import rss_run
 from benchmarks.placement import keep_off, machine_vcpus, pin_stepping
-from benchmarks.report import ENGINE, MLX_LM, OURS, format_ratios, format_runs, ratios
+from benchmarks.report import (
+    ENGINE,
+    ENGINE_B,
+    MLX_LM,
+    OURS,
+    format_ratios,
+    format_runs,
+    ratios,
+)
 from benchmarks.server_load import measured_load
 from benchmarks.servers import (
     NativeLibs,
@@ -60,7 +70,8 @@ class ABRunner:
                  stack: contextlib.ExitStack, vcpus: list[int] | None = None) -> None:
         self.config, self.model_path, self.workdir = config, model_path, workdir
         self.servers, self.native, self.stack = servers, native, stack
-        self.engine: EngineWorker | None = None  # started at its first run, if kept
+        # The kept engine-harness processes by contender, each started at its first run.
+        self.engines: dict[str, EngineWorker] = {}
         self.tokenizer = load_tokenizer(model_path)
         self.runs: list[dict[str, Any]] = []
         # The vCPUs the quiet before a run sweeps with the probe: all of the machine's.
@@ -99,8 +110,7 @@ class ABRunner:
         if not self.config.settle:
             return None
         pids = {name: server.pid for name, server in self.servers.items()}
-        if self.engine is not None:
-            pids[ENGINE] = self.engine.pid
+        pids.update({name: worker.pid for name, worker in self.engines.items()})
         record = quiet(self.config.settle, pids, self.vcpus)
         print(describe_quiet(record), flush=True)
         return record
@@ -116,8 +126,8 @@ class ABRunner:
 
     def run_one(self, name: str, workload: Workload, prompts: list[str],
                 warmup: list[str]) -> dict[str, Any]:
-        if name == ENGINE:
-            return self.run_engine(workload, prompts, warmup)
+        if name in ENGINES:
+            return self.run_engine(name, workload, prompts, warmup)
         if not self.config.isolate:
             return self.run_server(self.servers[name], workload, prompts, warmup)
         # Only this server holds the device during its run: with two MLX processes
@@ -140,10 +150,10 @@ class ABRunner:
             self.pin(server.pid, None)
         return measured_load(server, target, workload, prompts, tuple(warmup))
 
-    def run_engine(self, workload: Workload, prompts: list[str],
+    def run_engine(self, name: str, workload: Workload, prompts: list[str],
                    warmup: list[str]) -> dict[str, Any]:
-        """The engine harness on these prompts: in its kept process, or a fresh one."""
-        cfg, log_path = self.config, self.workdir / "engine.log"
+        """The engine harness on these prompts: in ``name``'s kept process, or a fresh one."""
+        cfg, log_path = self.config, self.workdir / f"{name}.log"
         def given(texts: list[str]) -> list[str] | list[list[int]]:
             # The servers run the chat template's tokens over chat: so must the harness.
             if cfg.api != "chat":
@@ -154,13 +164,14 @@ class ABRunner:
         command = harness_command(self.model_path, cfg.batch, cfg.engine_one_array_logprobs,
                                   cfg.engine_early_decode_join)
         if cfg.engine_kept:
-            if self.engine is None:
-                self.engine = EngineWorker(command, self.native.env(), log_path,
-                                           cfg.startup_timeout)
-                self.stack.callback(self.engine.stop)
+            worker = self.engines.get(name)
+            if worker is None:
+                worker = self.engines[name] = EngineWorker(
+                    command, self.native.env(), log_path, cfg.startup_timeout)
+                self.stack.callback(worker.stop)
             if cfg.pin_stepping is not None:  # the harness steps in its main thread
-                self.pin(self.engine.pid, self.engine.pid)
-            self.engine.run(workload, prompts_file, out)
+                self.pin(worker.pid, worker.pid)
+            worker.run(workload, prompts_file, out)
         else:
             run_fresh(command, workload, prompts_file, out, self.native.env(), log_path)
         return job_result(out, log_path)
@@ -186,6 +197,7 @@ class ABRunner:
 
 
 SERVER_COMMANDS = {OURS: mlx_serve_command, MLX_LM: mlx_lm_command}
+ENGINES = (ENGINE, ENGINE_B)
 
 
 def round_may_start(rnd: int, contenders: int, elapsed: float, limit: float | None) -> bool:

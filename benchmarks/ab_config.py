@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from benchmarks.contenders import MODEL_HELP
-from benchmarks.report import ENGINE, MLX_LM, OURS
+from benchmarks.report import ENGINE, ENGINE_B, MLX_LM, OURS
 from benchmarks.servers import BatchConfig, add_shape_args
 from benchmarks.workload import Workload, add_length_mix_args, length_mix
 
@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--run-time-limit", type=float, default=120.0, help="seconds per run")
     p.add_argument("--health-probe", type=float, default=0.2, help="seconds; 0 disables")
-    p.add_argument("--targets", default=f"{ENGINE},{OURS},{MLX_LM}")
+    p.add_argument("--targets", type=parse_targets, default=f"{ENGINE},{OURS},{MLX_LM}",
+                   help=f"comma-separated contenders out of {', '.join(CONTENDERS)}; "
+                        f"{ENGINE_B} is a second engine-harness process, an A/A control")
     p.add_argument("--mlx-cache-limit-bytes", type=int, default=None,
                    help="cap MLX's buffer cache in the engine harness and mlx_serve "
                         "(needed when the device's memory is shared, e.g. a large model)")
@@ -142,6 +144,20 @@ def _add_memory_mode_args(p: argparse.ArgumentParser) -> None:
                         "from the cache filling)")
 
 
+CONTENDERS = (ENGINE, OURS, MLX_LM, ENGINE_B)
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """``--targets``: known contenders, each once."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if unknown := [n for n in names if n not in CONTENDERS]:
+        raise argparse.ArgumentTypeError(
+            f"unknown contender {', '.join(unknown)}: choose from {', '.join(CONTENDERS)}")
+    if not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError("name each contender once, at least one")
+    return names
+
+
 def config_from_args(args: argparse.Namespace) -> ABConfig:
     if args.quick:
         return ABConfig(model="tiny", concurrencies=(1, 8), rounds=2, prompt_tokens=64,
@@ -156,7 +172,7 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
         batch=BatchConfig(args.decode_batch_size, args.prefill_batch_size,
                           args.prefill_step_size, args.mlx_cache_limit_bytes),
         api=args.api, stream=args.stream, run_time_limit=args.run_time_limit,
-        health_probe=args.health_probe or None, targets=tuple(args.targets.split(",")),
+        health_probe=args.health_probe or None, targets=args.targets,
         blas=args.blas, allocator=args.allocator, rate=args.rate, settle=args.settle,
         isolate=args.isolate,
         engine_one_array_logprobs=args.engine_one_array_logprobs,

@@ -18,7 +18,11 @@ from benchmarks.host import describe
 from benchmarks.threads import describe_threads, role_cpu
 
 ENGINE, OURS, MLX_LM = "engine", "mlx_serve", "mlx_lm"
+# A second engine-harness process, identical to the first: an A/A control that says how
+# far two processes doing the same work read apart on this host.
+ENGINE_B = "engine_b"
 PAIRS = ((OURS, ENGINE), (MLX_LM, ENGINE), (OURS, MLX_LM))
+CONTROL_PAIRS = ((ENGINE_B, ENGINE),)
 
 Getter = Callable[[dict[str, Any]], float | None]
 
@@ -104,21 +108,31 @@ def tok_s_summary(rounds: list[dict[str, Any]], a: str, b: str) -> dict[str, flo
             "high": high, "pooled": sum(x for x, _ in pairs) / sum(y for _, y in pairs)}
 
 
+def contenders_in(runs: list[dict[str, Any]]
+                  ) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The contenders the tables name and the pairs they compare: the three always (a
+    ``-`` where one did not run), the A/A control only where it ran."""
+    if any(run["target"] == ENGINE_B for run in runs):
+        return (ENGINE, OURS, MLX_LM, ENGINE_B), PAIRS + CONTROL_PAIRS
+    return (ENGINE, OURS, MLX_LM), PAIRS
+
+
 def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """{concurrency: {metric: {"a/b": spread}}} from the flat list of runs."""
+    names, pairs = contenders_in(runs)
     out: dict[str, Any] = {}
     for conc, rounds in rounds_by_concurrency(runs).items():
         table: dict[str, Any] = {
-            metric: {f"{a}/{b}": pair_spread(rounds, a, b, get) for a, b in PAIRS}
+            metric: {f"{a}/{b}": pair_spread(rounds, a, b, get) for a, b in pairs}
             for metric, get in METRICS.items()}
         table["failed"] = {name: sum(s[name]["failed"] for s in rounds if name in s)
-                           for name in (ENGINE, OURS, MLX_LM)}
+                           for name in names}
         table["health_p99_ms"] = {name: _max_health(rounds, name) for name in (OURS, MLX_LM)}
-        table["tok_s"] = {f"{a}/{b}": tok_s_summary(rounds, a, b) for a, b in PAIRS}
+        table["tok_s"] = {f"{a}/{b}": tok_s_summary(rounds, a, b) for a, b in pairs}
         # Each contender's own tok/s over the rounds: how far apart the engine's own
         # rounds ran says how steady the host was (the ratios are only as good as that).
         table["own_tok_s"] = {name: spread([s[name]["output_throughput"] for s in rounds
-                                            if name in s]) for name in (ENGINE, OURS, MLX_LM)}
+                                            if name in s]) for name in names}
         out[str(conc)] = table
     return out
 
@@ -139,7 +153,10 @@ def cell(sp: dict[str, float] | None) -> str:
 
 def format_ratios(table: dict[str, Any]) -> str:
     """Plain-text table; also valid Markdown."""
-    pairs = [f"{a}/{b}" for a, b in PAIRS]
+    first = next(iter(table.values()), {})
+    # The pairs this table holds (a saved table from before the control has three).
+    pairs = list(first.get("output tok/s", {f"{a}/{b}": None for a, b in PAIRS}))
+    names = list(first.get("failed", (ENGINE, OURS, MLX_LM)))
     header = "| conc | metric | " + " | ".join(pairs) + " |"
     lines = [header, "|" + "---|" * (2 + len(pairs))]
     for conc, rows in table.items():
@@ -149,14 +166,14 @@ def format_ratios(table: dict[str, Any]) -> str:
                 continue  # a figure none of the pairs has, e.g. only mlx_serve's
             lines.append(f"| {conc} | {metric} | {' | '.join(cells)} |")
     lines.append("")
-    lines.append("| conc | failed requests (engine / mlx_serve / mlx_lm) "
+    lines.append(f"| conc | failed requests ({' / '.join(names)}) "
                  "| /health p99 ms, worst round (mlx_serve / mlx_lm) |")
     lines.append("|---|---|---|")
     for conc, rows in table.items():
         f, h = rows["failed"], rows["health_p99_ms"]
         health = " / ".join("-" if h[n] is None else f"{h[n]:.1f}" for n in (OURS, MLX_LM))
-        lines.append(f"| {conc} | {f[ENGINE]} / {f[OURS]} / {f[MLX_LM]} | {health} |")
-    return "\n".join(lines + _tok_s_lines(table) + _own_tok_s_lines(table))
+        lines.append(f"| {conc} | {' / '.join(str(f[n]) for n in names)} | {health} |")
+    return "\n".join(lines + _tok_s_lines(table) + _own_tok_s_lines(table, names))
 
 
 def tok_s_header(label: str) -> list[str]:
@@ -177,12 +194,12 @@ def _tok_s_lines(table: dict[str, Any]) -> list[str]:
               for pair, t in rows.get("tok_s", {}).items() if t is not None)]
 
 
-def _own_tok_s_lines(table: dict[str, Any]) -> list[str]:
+def _own_tok_s_lines(table: dict[str, Any], names: list[str]) -> list[str]:
     """Each contender's own output tok/s over the rounds, and how far apart its rounds ran."""
-    lines = ["", "| conc | own output tok/s, median [min-max], max/min: engine | mlx_serve "
-             "| mlx_lm |", "|---|---|---|---|"]
+    lines = ["", f"| conc | own output tok/s, median [min-max], max/min: {' | '.join(names)} |",
+             "|---|" + "---|" * len(names)]
     for conc, rows in table.items():
-        cells = [_own_cell(rows["own_tok_s"][name]) for name in (ENGINE, OURS, MLX_LM)]
+        cells = [_own_cell(rows["own_tok_s"].get(name)) for name in names]
         lines.append(f"| {conc} | {' | '.join(cells)} |")
     return lines
 

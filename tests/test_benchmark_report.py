@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.report import ENGINE, OURS, format_ratios, ratios
+from benchmarks.report import ENGINE, ENGINE_B, OURS, format_ratios, ratios
 
 
 def run(rnd: int, target: str, tok_s: float) -> dict:
@@ -22,3 +22,17 @@ def test_the_report_shows_how_far_apart_each_contenders_own_rounds_ran():
     # The host ran the engine's two rounds 1.75x apart: ratios from such a run are weak.
     assert "| 4 | 137.5 [100.0-175.0], 1.75x | 135.0 [90.0-180.0], 2.00x | - |" in text
     assert "| 4 | mlx_serve/engine | 2 | 0.96 |" in text
+
+
+def test_a_second_engine_process_is_compared_with_the_first_only_when_it_ran():
+    runs = [run(0, ENGINE, 100.0), run(0, OURS, 90.0), run(0, ENGINE_B, 80.0),
+            run(1, ENGINE, 100.0), run(1, OURS, 95.0), run(1, ENGINE_B, 120.0)]
+    table = ratios(runs)["4"]
+    assert table["output tok/s"]["engine_b/engine"]["min"] == 0.8
+    assert table["output tok/s"]["engine_b/engine"]["max"] == 1.2
+    text = format_ratios(ratios(runs))
+    assert "| conc | metric | mlx_serve/engine | mlx_lm/engine | mlx_serve/mlx_lm " \
+           "| engine_b/engine |" in text
+    # Without the control the tables keep their three pairs and three contenders.
+    plain = format_ratios(ratios([r for r in runs if r["target"] != ENGINE_B]))
+    assert "engine_b" not in plain

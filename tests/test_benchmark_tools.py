@@ -223,6 +223,39 @@ def test_the_ab_runner_keeps_one_engine_process_for_every_engine_run_and_stops_i
     assert not os.path.exists(f"/proc/{pid}")  # stopped on the way out
 
 
+def test_the_ab_runner_runs_a_second_engine_process_as_an_a_a_control(
+        tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from benchmarks import ab
+
+    monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
+    config = _small_ab(tiny_model_dir, rounds=2, targets=(ab.ENGINE, ab.ENGINE_B),
+                       warm_run=False)
+    report = ab.run_ab(config, None, [])
+    assert "error" not in report
+    pids = {r["target"]: set() for r in report["runs"]}
+    for run in report["runs"]:
+        pids[run["target"]].add(run["result"]["target"]["pid"])
+        assert run["result"]["summary"]["failed"] == 0
+    # Two processes, each kept for both of its rounds, stopped on the way out.
+    assert len(pids[ab.ENGINE]) == len(pids[ab.ENGINE_B]) == 1
+    assert pids[ab.ENGINE] != pids[ab.ENGINE_B]
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in set.union(*pids.values()))
+    assert report["ratios"]["2"]["tok_s"]["engine_b/engine"]["n"] == 2
+    text = ab.format_ratios(report["ratios"])
+    assert "| 2 | engine_b/engine | 2 |" in text
+    assert "failed requests (engine / mlx_serve / mlx_lm / engine_b)" in text
+
+
+def test_ab_refuses_an_unknown_or_repeated_contender():
+    from benchmarks.ab_config import build_parser
+
+    for targets in ("engine,mlx-serve", "engine,engine", ""):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--targets", targets])
+    args = build_parser().parse_args(["--targets", "engine,mlx_serve,engine_b"])
+    assert args.targets == ("engine", "mlx_serve", "engine_b")
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two vCPUs")
 def test_the_ab_runner_pins_both_stepping_threads_to_one_vcpu_and_the_rest_elsewhere(
         tiny_model_dir, tmp_path, monkeypatch):
