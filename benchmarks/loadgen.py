@@ -259,8 +259,8 @@ async def run_load(target: Target, workload: Workload, prompts: list[str],
     run_span(summary, run.wall_start, duration)
     # The generator's own CPU use, in cores: near 1.0 it, not the server, set the pace.
     summary["client_cpu"] = (time.process_time() - cpu_start) / max(duration, 1e-9)
-    if target.health_probe:
-        summary["health"] = health_summary(health)
+    if probe is not None:
+        summary["health"] = {**health_summary(health), "probe_priority": probe.priority}
     return {"target": asdict(target), "workload": workload.as_dict(), "summary": summary}
 
 

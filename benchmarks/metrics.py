@@ -162,7 +162,8 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
     if summary.get("health"):
         h = summary["health"]
         lat = h["latency_ms"]
-        line = (f"/health probes {h['probes']} (failed {h['failed']}): "
+        priority = f", {h['probe_priority']} prober" if "probe_priority" in h else ""
+        line = (f"/health probes {h['probes']} (failed {h['failed']}{priority}): "
                 f"p50 {_fmt(lat['p50'])} ms  p99 {_fmt(lat['p99'])} ms")
         in_order = h.get("in_order_ms") or []
         if in_order:  # where the slowest was: in a short run, the start burst's probe

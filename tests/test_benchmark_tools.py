@@ -40,6 +40,7 @@ async def test_the_load_generator_counts_streamed_tokens_and_probes_health(
     assert summary["ttft_ms"]["p50"] > 0 and summary["output_throughput"] > 0
     assert summary["client_cpu"] > 0
     assert summary["health"]["probes"] > 0 and summary["health"]["failed"] == 0
+    assert summary["health"]["probe_priority"] in ("fifo", "normal")
     assert len(summary["health"]["in_order_ms"]) == summary["health"]["probes"]
     assert max(summary["health"]["in_order_ms"]) > 0
     slowest = max(summary["health"]["in_order_ms"])
@@ -48,6 +49,22 @@ async def test_the_load_generator_counts_streamed_tokens_and_probes_health(
     header = next(line for line in table if line.startswith("ms"))
     ttft = next(line for line in table if line.startswith("TTFT"))
     assert len(header.split()) == len(ttft.split())  # a label over every column
+
+
+def test_the_health_probe_runs_real_time_where_it_may_and_says_which():
+    from benchmarks.health_probe import HealthProbe
+
+    probe = HealthProbe("http://127.0.0.1:9", 0.05)  # discard port: every probe fails
+    probe.start()
+    try:
+        assert probe._process is not None
+        policy = os.sched_getscheduler(probe._process.pid)
+        assert probe.priority == ("fifo" if policy == os.SCHED_FIFO else "normal")
+        if os.geteuid() == 0:  # root may use the real-time scheduler
+            assert probe.priority == "fifo"
+    finally:
+        samples = probe.stop()
+    assert samples and not any(ok for _, ok in samples)
 
 
 async def test_a_server_that_is_not_there_fails_every_request_without_hanging():
