@@ -6,9 +6,9 @@ round and each concurrency runs engine, mlx_serve, mlx_lm (in an order rotated e
 round: ``contenders.rotated``) on the same fresh prompts, and prints per-concurrency
 ratios (median [min-max] over rounds). ``engine_b``, when named in ``--targets``, is a
 second engine-harness process of its own: an A/A control, engine_b over engine says how
-far two identical processes read apart on this host. Raw results go to benchmarks/results/. Every
-started process is stopped on the way out, Ctrl-C and SIGTERM included; every run is
-bounded in requests and time.
+far two identical processes read apart on this host. Raw results go to
+benchmarks/results/. Every started process is stopped on the way out, Ctrl-C and SIGTERM
+included; every run is bounded in requests and time.
 
     python -m benchmarks.ab --model tiny --concurrency 1,4,16,64 --rounds 3
     python -m benchmarks.ab --quick                  # smoke run, under two minutes
