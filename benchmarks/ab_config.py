@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from benchmarks.contenders import MODEL_HELP
-from benchmarks.report import ENGINE, ENGINE_B, MLX_LM, OURS
+from benchmarks.report import CONTENDERS, ENGINE, ENGINE_B, MLX_LM, OURS
 from benchmarks.servers import BatchConfig, add_shape_args
 from benchmarks.workload import Workload, add_length_mix_args, length_mix
 
@@ -142,9 +142,6 @@ def _add_memory_mode_args(p: argparse.ArgumentParser) -> None:
                    help="memory mode: warm-up requests before the first reading "
                         "(default N/10; enough to fill the prefix cache separates a leak "
                         "from the cache filling)")
-
-
-CONTENDERS = (ENGINE, OURS, MLX_LM, ENGINE_B)
 
 
 def parse_targets(text: str) -> tuple[str, ...]:

@@ -21,6 +21,9 @@ ENGINE, OURS, MLX_LM = "engine", "mlx_serve", "mlx_lm"
 # A second engine-harness process, identical to the first: an A/A control that says how
 # far two processes doing the same work read apart on this host.
 ENGINE_B = "engine_b"
+# Every contender an A/B may name, the control last: the tables name the first three
+# always (a ``-`` where one did not run) and the control only where it ran.
+CONTENDERS = (ENGINE, OURS, MLX_LM, ENGINE_B)
 PAIRS = ((OURS, ENGINE), (MLX_LM, ENGINE), (OURS, MLX_LM))
 CONTROL_PAIRS = ((ENGINE_B, ENGINE),)
 
@@ -110,11 +113,10 @@ def tok_s_summary(rounds: list[dict[str, Any]], a: str, b: str) -> dict[str, flo
 
 def contenders_in(runs: list[dict[str, Any]]
                   ) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """The contenders the tables name and the pairs they compare: the three always (a
-    ``-`` where one did not run), the A/A control only where it ran."""
+    """The contenders the tables name and the pairs they compare (see ``CONTENDERS``)."""
     if any(run["target"] == ENGINE_B for run in runs):
-        return (ENGINE, OURS, MLX_LM, ENGINE_B), PAIRS + CONTROL_PAIRS
-    return (ENGINE, OURS, MLX_LM), PAIRS
+        return CONTENDERS, PAIRS + CONTROL_PAIRS
+    return CONTENDERS[:-1], PAIRS
 
 
 def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:

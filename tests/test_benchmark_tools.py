@@ -241,7 +241,7 @@ def test_the_ab_runner_keeps_one_engine_process_for_every_engine_run_and_stops_i
 
 
 def test_the_ab_runner_runs_a_second_engine_process_as_an_a_a_control(
-        tiny_model_dir, tmp_path, monkeypatch, capsys):
+        tiny_model_dir, tmp_path, monkeypatch):
     from benchmarks import ab
 
     monkeypatch.setattr(ab, "RESULTS_DIR", tmp_path)
