@@ -9,6 +9,7 @@ rounds pooled (every round's tok/s summed), which weighs a round by its speed.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import Callable
@@ -26,6 +27,9 @@ ENGINE_B = "engine_b"
 CONTENDERS = (ENGINE, OURS, MLX_LM, ENGINE_B)
 PAIRS = ((OURS, ENGINE), (MLX_LM, ENGINE), (OURS, MLX_LM))
 CONTROL_PAIRS = ((ENGINE_B, ENGINE),)
+# With the control in a round, the two engine processes' tok/s together (their geometric
+# mean) are a reference steadier than either alone: mlx_serve is also read against that.
+BOTH_ENGINES = "engines"
 
 Getter = Callable[[dict[str, Any]], float | None]
 
@@ -111,6 +115,18 @@ def tok_s_summary(rounds: list[dict[str, Any]], a: str, b: str) -> dict[str, flo
             "high": high, "pooled": sum(x for x, _ in pairs) / sum(y for _, y in pairs)}
 
 
+def with_both_engines(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rounds where both engine processes ran, each with ``BOTH_ENGINES`` added: the
+    geometric mean of their output tok/s, so that a round's ratio to it is the geometric
+    mean of its ratios to each."""
+    out = []
+    for s in rounds:
+        if ENGINE in s and ENGINE_B in s:
+            tok_s = math.sqrt(s[ENGINE]["output_throughput"] * s[ENGINE_B]["output_throughput"])
+            out.append({**s, BOTH_ENGINES: {"output_throughput": tok_s}})
+    return out
+
+
 def contenders_in(runs: list[dict[str, Any]]
                   ) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """The contenders the tables name and the pairs they compare (see ``CONTENDERS``)."""
@@ -131,6 +147,9 @@ def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
                            for name in names}
         table["health_p99_ms"] = {name: _max_health(rounds, name) for name in (OURS, MLX_LM)}
         table["tok_s"] = {f"{a}/{b}": tok_s_summary(rounds, a, b) for a, b in pairs}
+        if (OURS, ENGINE) in pairs and ENGINE_B in names:
+            table["tok_s"][f"{OURS}/{BOTH_ENGINES}"] = tok_s_summary(
+                with_both_engines(rounds), OURS, BOTH_ENGINES)
         # Each contender's own tok/s over the rounds: how far apart the engine's own
         # rounds ran says how steady the host was (the ratios are only as good as that).
         table["own_tok_s"] = {name: spread([s[name]["output_throughput"] for s in rounds

@@ -36,3 +36,20 @@ def test_a_second_engine_process_is_compared_with_the_first_only_when_it_ran():
     # Without the control the tables keep their three pairs and three contenders.
     plain = format_ratios(ratios([r for r in runs if r["target"] != ENGINE_B]))
     assert "engine_b" not in plain
+
+
+def test_with_the_control_the_server_is_also_read_against_both_engines_together():
+    # Round 0: the engines at 100 and 64 (geometric mean 80); round 1: 100 and 144 (120).
+    # Round 2 has no engine_b: it counts for mlx_serve/engine only.
+    runs = [run(0, ENGINE, 100.0), run(0, OURS, 72.0), run(0, ENGINE_B, 64.0),
+            run(1, ENGINE, 100.0), run(1, OURS, 132.0), run(1, ENGINE_B, 144.0),
+            run(2, ENGINE, 100.0), run(2, OURS, 50.0)]
+    both = ratios(runs)["4"]["tok_s"]["mlx_serve/engines"]
+    assert both["n"] == 2
+    assert abs(both["median"] - (72 / 80 + 132 / 120) / 2) < 1e-9
+    assert abs(both["pooled"] - (72 + 132) / (80 + 120)) < 1e-9
+    assert ratios(runs)["4"]["tok_s"]["mlx_serve/engine"]["n"] == 3
+    assert "| 4 | mlx_serve/engines | 2 | 1.00 |" in format_ratios(ratios(runs))
+    # Without the control there is no such row.
+    plain = ratios([r for r in runs if r["target"] != ENGINE_B])["4"]["tok_s"]
+    assert "mlx_serve/engines" not in plain
