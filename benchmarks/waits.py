@@ -1,0 +1,175 @@
+"""Where each thread's wall time goes: on a CPU, or waiting for the interpreter lock, for
+MLX, for the event loop's poll or for something else.
+
+``py-spy record --native --idle --threads`` samples every thread's Python and native
+stack together; this module records such samples from a running process and sorts each
+one by its innermost frames:
+
+- ``interpreter lock``: waiting to take the lock, or (after a forced switch) for
+  another thread to take it. py-spy folds libpython's own frames away, so these show as
+  a condition wait right under a Python frame (or a Cython ``with gil`` block, as in
+  uvloop), never under a lock object's acquire, MLX or an unnamed native frame;
+- ``MLX event``: ``mlx::core::Event::wait`` or a CUDA synchronisation, waiting for
+  the device (or, on MLX's CPU backend, for its compute thread) to finish an array;
+- ``MLX eval``: a condition wait inside ``eval`` itself: on the CPU backend, waiting
+  for the compute thread to take more work;
+- ``event loop poll``: ``epoll`` with nothing to do;
+- ``write call``: inside a ``write`` (a socket's, mostly);
+- ``other wait``: any other condition wait, lock acquire or futex (idle pools, queues),
+  or a blocking read, poll or sleep;
+- ``on CPU``: everything else.
+
+Native sampling pauses the whole process for each sample, which slows a process with
+many threads (a server) more than one with few (the engine harness): read the shares
+within a thread, not times per token, and keep the rate low (100 Hz).
+
+    python -m benchmarks.waits --pid PID --seconds 6 [--rate 100] [--raw OUT.raw]
+    python -m benchmarks.waits --summarize OUT.raw [--threads 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOCK = "interpreter lock"
+MLX_EVENT = "MLX event"
+MLX_EVAL = "MLX eval"
+POLL = "event loop poll"
+WRITE = "write call"
+OTHER_WAIT = "other wait"
+ON_CPU = "on CPU"
+STATES = (ON_CPU, LOCK, MLX_EVENT, MLX_EVAL, POLL, WRITE, OTHER_WAIT)
+
+_DEVICE_SYNC = ("Event::wait", "StreamSynchronize", "EventSynchronize")
+_WAITS = ("cond_wait", "cond_timedwait", "acquire_lock", "futex", "sem_wait")
+_NOT_THE_LOCK = ("(lib", "mlx::")  # a shared library's own wait: a lock, MLX, CUDA
+_BLOCKING_CALLS = ("read", "recv", "recvfrom", "recvmsg", "poll", "ppoll", "select",
+                   "pselect", "nanosleep", "clock_nanosleep", "accept", "accept4", "wait4")
+
+
+def _name(frame: str) -> str:
+    return frame.split(" (", 1)[0]
+
+
+def classify(frames: list[str]) -> str:
+    """The state of one sample, from its frames outermost first (py-spy's raw order)."""
+    inner = frames[-8:]
+    names = [_name(f) for f in inner]
+    if any(n in ("take_gil", "PyEval_RestoreThread", "PyEval_AcquireThread") for n in names):
+        return LOCK
+    named = [f for f in frames if not f.startswith("0x")]  # libc's unnamed insides
+    if (len(named) >= 2 and _name(named[-1]) in ("pthread_cond_timedwait", "pthread_cond_wait")
+            and not any(k in named[-2] for k in _NOT_THE_LOCK)):
+        return LOCK
+    if any(s in n for n in names for s in _DEVICE_SYNC):
+        return MLX_EVENT
+    waiting = any(w in n for n in names[-3:] for w in _WAITS)
+    if waiting and any("mlx::core::eval_impl" in n for n in names):
+        return MLX_EVAL
+    if any("epoll" in n for n in names[-3:]):
+        return POLL
+    if _name(frames[-1]) in ("write", "send", "sendmsg", "writev"):
+        return WRITE
+    if waiting or any(n in _BLOCKING_CALLS for n in names[-2:]):
+        return OTHER_WAIT
+    return ON_CPU
+
+
+@dataclass
+class ThreadWaits:
+    """One thread's samples by state, with the commonest stacks of each state."""
+
+    name: str
+    states: collections.Counter[str] = field(default_factory=collections.Counter)
+    stacks: dict[str, collections.Counter[str]] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
+
+    @property
+    def samples(self) -> int:
+        return sum(self.states.values())
+
+    def share(self, state: str) -> float:
+        return self.states[state] / self.samples if self.samples else 0.0
+
+
+def parse_raw(lines: Iterable[str]) -> dict[str, ThreadWaits]:
+    """py-spy's raw (collapsed) output: ``thread (TID): NAME;frame;...;frame COUNT``."""
+    threads: dict[str, ThreadWaits] = {}
+    for line in lines:
+        line = line.rstrip()
+        if not line or " " not in line:
+            continue
+        stack, count = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        thread = threads.setdefault(frames[0], ThreadWaits(frames[0]))
+        state = classify(frames[1:]) if len(frames) > 1 else ON_CPU
+        thread.states[state] += int(count)
+        innermost = " < ".join(_name(f)[:50] for f in frames[:0:-1][:4])
+        thread.stacks[state][innermost] += int(count)
+    return threads
+
+
+def format_waits(threads: dict[str, ThreadWaits], top: int = 4, stacks: int = 1) -> str:
+    """The ``top`` threads with most samples (py-spy samples every thread each time, so
+    ties are usual: the busiest by time on CPU come first), each state's share."""
+    ranked = sorted(threads.values(), key=lambda t: (-t.samples, -t.states[ON_CPU]))
+    out = []
+    for t in ranked[:top]:
+        out.append(f"{t.samples:6d} samples  {t.name}")
+        for state, n in t.states.most_common():
+            out.append(f"        {n / t.samples:6.1%}  {state}")
+            for stack, k in t.stacks[state].most_common(stacks):
+                out.append(f"                  {k:5d}  {stack}")
+    return "\n".join(out)
+
+
+def py_spy() -> str:
+    """The py-spy beside this interpreter (a dev dependency), else the one on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if not found:
+        raise RuntimeError("py-spy not found: pip install py-spy")
+    return found
+
+
+def record(pid: int, seconds: float, rate: int, raw: Path) -> Path:
+    """Sample ``pid`` with native stacks for ``seconds``; the raw file's path."""
+    cmd = [py_spy(), "record", "--native", "--idle", "--threads", "-r", str(rate),
+           "-d", str(max(1, round(seconds))), "-f", "raw", "-o", str(raw),
+           "-p", str(pid)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    if done.returncode != 0 or not raw.exists():
+        raise RuntimeError(f"py-spy failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    return raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--pid", type=int, help="process to sample")
+    which.add_argument("--summarize", type=Path, help="a raw file py-spy wrote before")
+    p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--rate", type=int, default=100, help="samples a second")
+    p.add_argument("--raw", type=Path, help="keep the raw samples here")
+    p.add_argument("--threads", type=int, default=4, help="threads to print")
+    args = p.parse_args(argv)
+    if args.summarize:
+        raw = args.summarize
+    else:
+        raw = args.raw or Path(tempfile.mkdtemp(prefix="waits-")) / "samples.raw"
+        record(args.pid, args.seconds, args.rate, raw)
+    print(f"{raw}")
+    print(format_waits(parse_raw(raw.read_text().splitlines()), top=args.threads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
