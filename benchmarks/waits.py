@@ -46,7 +46,6 @@ POLL = "event loop poll"
 WRITE = "write call"
 OTHER_WAIT = "other wait"
 ON_CPU = "on CPU"
-STATES = (ON_CPU, LOCK, MLX_EVENT, MLX_EVAL, POLL, WRITE, OTHER_WAIT)
 
 _DEVICE_SYNC = ("Event::wait", "StreamSynchronize", "EventSynchronize")
 _WAITS = ("cond_wait", "cond_timedwait", "acquire_lock", "futex", "sem_wait")
