@@ -106,6 +106,7 @@ def test_a_real_process_shows_its_lock_waits_and_its_idle_thread(tmp_path: Path)
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        kernel = waits.kernel_on_cpu(child.pid, 1.0)
         raw = waits.record(child.pid, seconds=2, rate=50, raw=tmp_path / "s.raw")
     finally:
         assert child.stdin is not None
@@ -121,3 +122,13 @@ def test_a_real_process_shows_its_lock_waits_and_its_idle_thread(tmp_path: Path)
     assert 0.2 <= waiting <= 0.8
     assert all(t.share(waits.LOCK) + t.share(waits.ON_CPU) >= 0.9 for t in spinners)
     assert threads["idler"].share(waits.OTHER_WAIT) >= 0.9
+    # The kernel's count: one lock lets at most about one spinner run at a time.
+    on_cpu = {name: kernel[waits.thread_id(t.name) or -1] for name, t in threads.items()}
+    assert 0.4 <= on_cpu["spin1"] + on_cpu["spin2"] <= 1.3
+    assert on_cpu["idler"] < 0.05
+    assert "on a CPU by the kernel's count" in waits.format_waits(parsed, kernel=kernel)
+
+
+def test_thread_ids_come_from_py_spy_names() -> None:
+    assert waits.thread_id("thread (741): mlx") == 741
+    assert waits.thread_id("thread (0x7f0b): MainThread") is None
