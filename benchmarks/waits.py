@@ -11,12 +11,13 @@ one by its innermost frames:
   uvloop), never under a lock object's acquire, MLX or an unnamed native frame;
 - ``MLX event``: ``mlx::core::Event::wait`` or a CUDA synchronisation, waiting for
   the device (or, on MLX's CPU backend, for its compute thread) to finish an array;
-- ``MLX eval``: a condition wait inside ``eval`` itself: on the CPU backend, waiting
-  for the compute thread to take more work;
+- ``MLX eval``: a condition wait or a contended lock inside ``eval`` itself: on the
+  CPU backend, waiting for the compute thread to take more work or to let go of its
+  task queue;
 - ``event loop poll``: ``epoll`` with nothing to do;
 - ``write call``: inside a ``write`` (a socket's, mostly);
-- ``other wait``: any other condition wait, lock acquire or futex (idle pools, queues),
-  or a blocking read, poll or sleep;
+- ``other wait``: any other condition wait, contended lock or futex (idle pools,
+  queues), or a blocking read, poll or sleep;
 - ``on CPU``: everything else.
 
 Native sampling pauses the whole process for each sample, which slows a process with
@@ -76,7 +77,10 @@ def classify(frames: list[str]) -> str:
         return LOCK
     if any(s in n for n in names for s in _DEVICE_SYNC):
         return MLX_EVENT
-    waiting = any(w in n for n in names[-3:] for w in _WAITS)
+    # A contended mutex: libc's unnamed slow path (the futex wait) under its lock call
+    contended = (len(named) >= 1 and _name(named[-1]) == "pthread_mutex_lock"
+                 and frames[-1].startswith("0x"))
+    waiting = contended or any(w in n for n in names[-3:] for w in _WAITS)
     if waiting and any("mlx::core::eval_impl" in n for n in names):
         return MLX_EVAL
     if any("epoll" in n for n in names[-3:]):
@@ -134,9 +138,8 @@ def kernel_on_cpu(pid: int, seconds: float) -> dict[int, float]:
     """Each thread's share of ``seconds`` on a CPU by the kernel's own count (schedstat),
     read without pausing anything: what py-spy's "on CPU" shares should come close to.
     Pausing for native samples can shift the states around MLX's waits: on the CPU
-    machine the engine harness on the 16-layer tiny model at one stream read 52.7 % on
-    CPU by py-spy and 85.6 % by the kernel, where a server's stepping thread read 88.4 %
-    and 87.6 %."""
+    machine, 16-layer tiny model at one stream, the engine harness's stepping thread
+    read 48.3 % on CPU by py-spy and 85.6 % by the kernel, a server's 79.6 % and 87.6 %."""
     before = thread_times(pid)
     time.sleep(seconds)
     after = thread_times(pid)

@@ -31,6 +31,9 @@ SAMPLES = {
               "0x7f0bef8a3f16 (libc.so.6)"],
     ],
     waits.MLX_EVAL: [
+        PY + ["mlx::core::async_eval (libmlx.so)", "mlx::core::eval_impl (libmlx.so)",
+              "mlx::core::scheduler::Scheduler::enqueue (libmlx.so)",
+              "pthread_mutex_lock (libc.so.6)", "0x7f5efeaa412b (libc.so.6)"],
         PY + ["0x7f0bddb238b1 (core.cpython-312-x86_64-linux-gnu.so)",
               "mlx::core::async_eval (libmlx.so)", "mlx::core::eval_impl (libmlx.so)",
               "pthread_cond_wait (libc.so.6)", "0x7f0bef8a3f16 (libc.so.6)"],
@@ -57,6 +60,8 @@ SAMPLES = {
         PY + ["TabledBPEStreamingDetokenizer.add_token (mlx_serve/runner/text.py:114)"],
         PY + ["mlx::core::scheduler::Scheduler::enqueue (libmlx.so)",
               "pthread_cond_signal (libc.so.6)"],
+        PY + ["mlx::core::allocator::CommonAllocator::malloc (libmlx.so)",
+              "pthread_mutex_lock (libc.so.6)"],  # the uncontended fast path
     ],
 }
 
