@@ -27,27 +27,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.waits import ON_CPU, classify
+from benchmarks.waits import ON_CPU, classify, raw_samples, thread_name
 
 
 def on_cpu_functions(lines: Iterable[str], thread: str, per: str) -> collections.Counter[str]:
     """The thread named ``thread``'s on-CPU samples by function, those with ``per`` on
     their stack under ``(in PER)``."""
     counts: collections.Counter[str] = collections.Counter()
-    for line in lines:
-        line = line.rstrip()
-        if " " not in line:
+    for name, frames, count in raw_samples(lines):
+        if thread_name(name) != thread or classify(frames) != ON_CPU:
             continue
-        stack, count = line.rsplit(" ", 1)
-        frames = stack.split(";")
-        if frames[0].split(": ", 1)[-1] != thread or classify(frames[1:]) != ON_CPU:
-            continue
-        if any(per in f for f in frames[1:]):
+        if any(per in f for f in frames):
             key = f"(in {per})"
         else:
-            python = [f for f in frames[1:] if ".py:" in f]
+            python = [f for f in frames if ".py:" in f]
             key = _function(python[-1]) if python else "(native only)"
-        counts[key] += int(count)
+        counts[key] += count
     return counts
 
 

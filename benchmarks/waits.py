@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,21 +109,33 @@ class ThreadWaits:
         return self.states[state] / self.samples if self.samples else 0.0
 
 
-def parse_raw(lines: Iterable[str]) -> dict[str, ThreadWaits]:
-    """py-spy's raw (collapsed) output: ``thread (TID): NAME;frame;...;frame COUNT``."""
-    threads: dict[str, ThreadWaits] = {}
+def raw_samples(lines: Iterable[str]) -> Iterator[tuple[str, list[str], int]]:
+    """py-spy's raw (collapsed) output, ``thread (TID): NAME;frame;...;frame COUNT``, as
+    (``thread (TID): NAME``, its frames outermost first, COUNT)."""
     for line in lines:
         line = line.rstrip()
         if not line or " " not in line:
             continue
         stack, count = line.rsplit(" ", 1)
-        frames = stack.split(";")
-        thread = threads.setdefault(frames[0], ThreadWaits(frames[0]))
-        state = classify(frames[1:]) if len(frames) > 1 else ON_CPU
-        thread.states[state] += int(count)
-        innermost = " < ".join(_name(f)[:50] for f in frames[:0:-1][:4])
-        thread.stacks[state][innermost] += int(count)
+        thread, *frames = stack.split(";")
+        yield thread, frames, int(count)
+
+
+def parse_raw(lines: Iterable[str]) -> dict[str, ThreadWaits]:
+    """Every thread's samples by state (see ``raw_samples``)."""
+    threads: dict[str, ThreadWaits] = {}
+    for name, frames, count in raw_samples(lines):
+        thread = threads.setdefault(name, ThreadWaits(name))
+        state = classify(frames) if frames else ON_CPU
+        thread.states[state] += count
+        innermost = " < ".join(_name(f)[:50] for f in frames[::-1][:4])
+        thread.stacks[state][innermost] += count
     return threads
+
+
+def thread_name(name: str) -> str:
+    """The thread's own name in py-spy's ``thread (TID): NAME``."""
+    return name.split(": ", 1)[-1]
 
 
 def thread_id(name: str) -> int | None:

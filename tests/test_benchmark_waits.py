@@ -119,7 +119,7 @@ def test_a_real_process_shows_its_lock_waits_and_its_idle_thread(tmp_path: Path)
         child.stdin.close()
         child.wait(timeout=30)
     parsed = waits.parse_raw(raw.read_text().splitlines())
-    threads = {t.name.split(": ", 1)[1]: t for t in parsed.values()}
+    threads = {waits.thread_name(t.name): t for t in parsed.values()}
     spinners = [threads["spin1"], threads["spin2"]]
     assert all(t.samples >= 40 for t in spinners)
     # Two threads spinning in Python take turns with one lock: each waits for it often.
