@@ -86,6 +86,18 @@ def test_raw_lines_add_up_per_thread_with_their_commonest_stacks() -> None:
     assert "25.0%  interpreter lock" in text and "one_array_step" in text
 
 
+def test_a_thread_whose_shares_the_kernel_contradicts_is_flagged() -> None:
+    cpu = ";".join(SAMPLES[waits.ON_CPU][0])
+    wait = ";".join(SAMPLES[waits.MLX_EVAL][0])
+    threads = waits.parse_raw([f"thread (7): mlx;{cpu} 40", f"thread (7): mlx;{wait} 60",
+                               f"thread (9): other;{cpu} 80", f"thread (9): other;{wait} 20"])
+    text = waits.format_waits(threads, kernel={7: 0.85, 9: 0.82})
+    other, mlx = text.split("samples  thread (7)")  # the most on CPU first
+    assert "thread (9)" in other and "thread (9)" not in mlx
+    assert "disagrees with the kernel's count" in mlx  # 40 % against 85 %
+    assert "disagrees" not in other  # 80 % against 82 %
+
+
 CHILD = """
 import sys, threading
 done = threading.Event()
