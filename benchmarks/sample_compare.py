@@ -12,9 +12,10 @@ noise (the counts taken as Poisson), since a few samples either way are noise.
 
     python -m benchmarks.sample_compare SERVER.raw mlx ENGINE.raw MainThread [--top 25]
 
-Check first that py-spy's "on CPU" share of each thread agrees with the kernel's
-count that ``benchmarks.waits --pid`` prints: where the pauses shifted a thread's
-states, its samples are not a reading.
+py-spy's pauses can shift a thread's states, and then its samples are not a reading:
+``benchmarks.waits --pid`` keeps the kernel's count of each thread's time on a CPU
+beside the raw file, and this tool first says, for each of the two threads, whether
+py-spy's "on CPU" share agrees with it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.waits import ON_CPU, classify, raw_samples, thread_name
+from benchmarks.waits import (
+    ON_CPU,
+    classify,
+    disagrees,
+    load_kernel,
+    parse_raw,
+    raw_samples,
+    thread_id,
+    thread_name,
+)
 
 
 def on_cpu_functions(lines: Iterable[str], thread: str, per: str) -> collections.Counter[str]:
@@ -44,6 +54,24 @@ def on_cpu_functions(lines: Iterable[str], thread: str, per: str) -> collections
             key = _function(python[-1]) if python else "(native only)"
         counts[key] += count
     return counts
+
+
+def kernel_check(raw: Path, lines: list[str], thread: str) -> str:
+    """One line: whether py-spy's on-CPU share of ``thread`` in ``raw`` agrees with the
+    kernel's count that ``benchmarks.waits --pid`` kept beside it."""
+    found = [t for t in parse_raw(lines).values() if thread_name(t.name) == thread]
+    if not found:
+        raise ValueError(f"no thread named {thread!r} in {raw}")
+    t = max(found, key=lambda t: t.samples)
+    kernel = load_kernel(raw)
+    share = kernel.get(thread_id(t.name) or -1) if kernel else None
+    if share is None:
+        return (f"{raw} {thread}: no kernel count beside it (benchmarks.waits --pid "
+                "keeps one); its samples are unchecked")
+    verdict = ("DISAGREE: the pauses shifted its states, so this comparison is not a "
+               "reading" if disagrees(share, t) else "agree")
+    return (f"{raw} {thread}: py-spy {t.share(ON_CPU):.1%} on CPU, the kernel "
+            f"{share:.1%}: {verdict}")
 
 
 def _function(frame: str) -> str:
@@ -102,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per", default="async_eval", help="the reference call")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
-    a = on_cpu_functions(args.first.read_text().splitlines(), args.first_thread, args.per)
-    b = on_cpu_functions(args.second.read_text().splitlines(), args.second_thread, args.per)
+    first = args.first.read_text().splitlines()
+    second = args.second.read_text().splitlines()
+    print(kernel_check(args.first, first, args.first_thread))
+    print(kernel_check(args.second, second, args.second_thread))
+    a = on_cpu_functions(first, args.first_thread, args.per)
+    b = on_cpu_functions(second, args.second_thread, args.per)
     ref = f"(in {args.per})"
     print(format_compare(compare(a, b, args.per), a[ref], b[ref], args.per, args.top))
     return 0

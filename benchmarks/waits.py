@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import shutil
 import subprocess
 import sys
@@ -164,6 +165,24 @@ def kernel_on_cpu(pid: int, seconds: float) -> dict[int, float]:
             for tid, (_, cpu) in after.items() if tid in before}
 
 
+def kernel_file(raw: Path) -> Path:
+    """Where ``--pid`` keeps the kernel's counts beside the raw samples it took."""
+    return raw.with_name(raw.name + ".kernel.json")
+
+
+def load_kernel(raw: Path) -> dict[int, float] | None:
+    """The kernel's on-CPU shares kept beside ``raw``, by thread id; None if none were."""
+    path = kernel_file(raw)
+    if not path.exists():
+        return None
+    return {int(tid): share for tid, share in json.loads(path.read_text()).items()}
+
+
+def disagrees(kernel_share: float, thread: ThreadWaits) -> bool:
+    """Whether py-spy's on-CPU share of ``thread`` is too far from the kernel's to read."""
+    return abs(kernel_share - thread.share(ON_CPU)) > KERNEL_AGREES_WITHIN
+
+
 def format_waits(threads: dict[str, ThreadWaits], top: int = 4, stacks: int = 1,
                  kernel: dict[int, float] | None = None) -> str:
     """The ``top`` threads with most samples (py-spy samples every thread each time, so
@@ -177,7 +196,7 @@ def format_waits(threads: dict[str, ThreadWaits], top: int = 4, stacks: int = 1,
         if kernel and tid in kernel:
             out.append(f"        {kernel[tid]:6.1%}  on a CPU by the kernel's count, "
                        "just before the samples")
-            if abs(kernel[tid] - t.share(ON_CPU)) > KERNEL_AGREES_WITHIN:
+            if disagrees(kernel[tid], t):
                 out.append("        (py-spy's \"on CPU\" disagrees with the kernel's count: "
                            "the pauses shifted this thread's states, so do not read them)")
         for state, n in t.states.most_common():
@@ -217,13 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", type=Path, help="keep the raw samples here")
     p.add_argument("--threads", type=int, default=4, help="threads to print")
     args = p.parse_args(argv)
-    kernel = None
     if args.summarize:
         raw = args.summarize
+        kernel = load_kernel(raw)
     else:
         raw = args.raw or Path(tempfile.mkdtemp(prefix="waits-")) / "samples.raw"
         kernel = kernel_on_cpu(args.pid, args.seconds)
         record(args.pid, args.seconds, args.rate, raw)
+        kernel_file(raw).write_text(json.dumps(kernel))
     print(f"{raw}")
     print(format_waits(parse_raw(raw.read_text().splitlines()), top=args.threads,
                        kernel=kernel))

@@ -45,6 +45,22 @@ def test_differences_come_in_units_of_each_own_reference_with_their_noise(
     sample_compare.main([str(tmp_path / "a.raw"), "mlx", str(tmp_path / "b.raw"), "MainThread"])
     out = capsys.readouterr().out
     assert "0.400 / 0.300" in out and f"{1.4 / 1.3:.3f}" in out
+    assert out.count("no kernel count beside it") == 2
+
+
+def test_each_thread_is_checked_against_the_kernel_count_kept_beside_its_samples(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a.raw", tmp_path / "b.raw"
+    a.write_text("\n".join(raw("mlx", {IN_EVAL: 80, LOCK: 20})))  # 80 % on CPU
+    b.write_text("\n".join(raw("MainThread", {IN_EVAL: 80, LOCK: 20})))
+    (tmp_path / "a.raw.kernel.json").write_text('{"7": 0.82, "8": 0.1}')
+    (tmp_path / "b.raw.kernel.json").write_text('{"7": 0.95}')
+    sample_compare.main([str(a), "mlx", str(b), "MainThread"])
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    assert "py-spy 80.0% on CPU, the kernel 82.0%: agree" in first
+    assert "the kernel 95.0%: DISAGREE" in second
+    with pytest.raises(ValueError, match="no thread named 'uvloop_0'"):
+        sample_compare.main([str(a), "uvloop_0", str(b), "MainThread"])
 
 
 def test_a_thread_without_the_reference_call_is_refused() -> None:

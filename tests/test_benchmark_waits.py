@@ -98,6 +98,18 @@ def test_a_thread_whose_shares_the_kernel_contradicts_is_flagged() -> None:
     assert "disagrees" not in other  # 80 % against 82 %
 
 
+def test_a_summary_shows_the_kernel_count_kept_beside_the_samples(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    samples = tmp_path / "s.raw"
+    samples.write_text(f"thread (7): mlx;{';'.join(SAMPLES[waits.ON_CPU][0])} 10\n")
+    waits.main(["--summarize", str(samples)])
+    assert "kernel's count" not in capsys.readouterr().out
+    waits.kernel_file(samples).write_text('{"7": 0.5}')
+    waits.main(["--summarize", str(samples)])
+    out = capsys.readouterr().out
+    assert "50.0%  on a CPU by the kernel's count" in out and "disagrees" in out
+
+
 CHILD = """
 import sys, threading
 done = threading.Event()
@@ -123,14 +135,17 @@ def test_a_real_process_shows_its_lock_waits_and_its_idle_thread(tmp_path: Path)
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        kernel = waits.kernel_on_cpu(child.pid, 1.0)
-        raw = waits.record(child.pid, seconds=2, rate=50, raw=tmp_path / "s.raw")
+        raw = tmp_path / "s.raw"  # the command line: the kernel's count, then samples
+        waits.main(["--pid", str(child.pid), "--seconds", "2", "--rate", "50",
+                    "--raw", str(raw)])
     finally:
         assert child.stdin is not None
         child.stdin.write("\n")
         child.stdin.close()
         child.wait(timeout=30)
     parsed = waits.parse_raw(raw.read_text().splitlines())
+    kernel = waits.load_kernel(raw)
+    assert kernel is not None
     threads = {waits.thread_name(t.name): t for t in parsed.values()}
     spinners = [threads["spin1"], threads["spin2"]]
     assert all(t.samples >= 40 for t in spinners)
