@@ -24,8 +24,10 @@ Native sampling pauses the whole process for each sample, which slows a process 
 many threads (a server) more than one with few (the engine harness): read the shares
 within a thread, not times per token, and keep the rate low (100 Hz). Sampling a
 process (``--pid``) first reads each thread's time on a CPU by the kernel's count over
-as long a window, and prints it beside py-spy's "on CPU": where the two disagree, the
-pauses have shifted that thread's states and its shares are not a reading.
+as long a window, and prints it beside py-spy's "on CPU": where the two disagree (by
+more than 5 points, flagged), the pauses have shifted that thread's states and its
+shares are not a reading. It keeps those counts beside the raw file
+(``OUT.raw.kernel.json``) for ``--summarize`` and ``benchmarks.sample_compare``.
 
     python -m benchmarks.waits --pid PID --seconds 6 [--rate 100] [--raw OUT.raw]
     python -m benchmarks.waits --summarize OUT.raw [--threads 4]
