@@ -32,10 +32,10 @@ from benchmarks.waits import (
     ON_CPU,
     classify,
     disagrees,
+    kernel_share,
     load_kernel,
     parse_raw,
     raw_samples,
-    thread_id,
     thread_name,
 )
 
@@ -63,8 +63,7 @@ def kernel_check(raw: Path, lines: list[str], thread: str) -> str:
     if not found:
         raise ValueError(f"no thread named {thread!r} in {raw}")
     t = max(found, key=lambda t: t.samples)
-    kernel = load_kernel(raw)
-    share = kernel.get(thread_id(t.name) or -1) if kernel else None
+    share = kernel_share(load_kernel(raw), t)
     if share is None:
         return (f"{raw} {thread}: no kernel count beside it (benchmarks.waits --pid "
                 "keeps one); its samples are unchecked")

@@ -180,6 +180,12 @@ def load_kernel(raw: Path) -> dict[int, float] | None:
     return {int(tid): share for tid, share in json.loads(path.read_text()).items()}
 
 
+def kernel_share(kernel: dict[int, float] | None, thread: ThreadWaits) -> float | None:
+    """``thread``'s on-CPU share by the kernel's count, if ``kernel`` holds its id."""
+    tid = thread_id(thread.name)
+    return kernel.get(tid) if kernel and tid is not None else None
+
+
 def disagrees(kernel_share: float, thread: ThreadWaits) -> bool:
     """Whether py-spy's on-CPU share of ``thread`` is too far from the kernel's to read."""
     return abs(kernel_share - thread.share(ON_CPU)) > KERNEL_AGREES_WITHIN
@@ -194,11 +200,11 @@ def format_waits(threads: dict[str, ThreadWaits], top: int = 4, stacks: int = 1,
     out = []
     for t in ranked[:top]:
         out.append(f"{t.samples:6d} samples  {t.name}")
-        tid = thread_id(t.name)
-        if kernel and tid in kernel:
-            out.append(f"        {kernel[tid]:6.1%}  on a CPU by the kernel's count, "
+        share = kernel_share(kernel, t)
+        if share is not None:
+            out.append(f"        {share:6.1%}  on a CPU by the kernel's count, "
                        "just before the samples")
-            if disagrees(kernel[tid], t):
+            if disagrees(share, t):
                 out.append("        (py-spy's \"on CPU\" disagrees with the kernel's count: "
                            "the pauses shifted this thread's states, so do not read them)")
         for state, n in t.states.most_common():
