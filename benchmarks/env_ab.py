@@ -16,6 +16,11 @@ holds the device at a time.
 
 With --stalls each server logs its event-loop, interpreter-lock and garbage-collection
 stalls (benchmarks/stalls.py) and every run reports its worst.
+
+With --pin-stepping CPU every variant's MLX thread runs on that one vCPU and everything
+else (the servers' other threads, the load generator) on the rest: on hosts whose vCPUs
+run at different speeds, the variants otherwise differ by where the kernel put them
+(``benchmarks/placement.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from benchmarks.contenders import (
 )
 from benchmarks.host import describe, describe_quiet, quiet
 from benchmarks.loadgen import Target, warm_up
+from benchmarks.placement import keep_off, pin_stepping
 from benchmarks.report import (
     METRICS,
     cell,
@@ -173,6 +179,26 @@ def warm_runs(args: argparse.Namespace, tokenizer: Any,
         print(warm_run_line(name, summary), flush=True)
 
 
+def _measured_run(args: argparse.Namespace, name: str, server: ServerProcess,
+                  servers: dict[str, ServerProcess], rest: set[int] | None,
+                  workload: Workload, prompts: list[str]) -> tuple[dict[str, Any], Any]:
+    """One measured run of variant ``name``'s server, its MLX thread pinned first where
+    ``rest`` is given and the quiet before it measured where asked: (summary, quiet)."""
+    if rest is not None and pin_stepping(server.pid, None, args.pin_stepping, rest) is None:
+        raise RuntimeError(f"no MLX thread found in server process {server.pid} to pin")
+    settled = (quiet(args.settle, {n: s.pid for n, s in servers.items()}
+                     or {name: server.pid}) if args.settle else None)
+    if settled:
+        print(describe_quiet(settled), flush=True)
+    target = Target(server.base_url, args.api, request_timeout=60.0,
+                    health_probe=args.health_probe or None)
+    began = time.time()
+    summary = measured_load(server, target, workload, prompts)["summary"]
+    if args.stalls:
+        summary["stalls"] = read_stalls(server.log_path, began, time.time())
+    return summary, settled
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="env-ab-", dir=RESULTS_DIR))
@@ -184,6 +210,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if warning := environment.http_parser_warning(meta):
         print(warning, file=sys.stderr)
     runs: list[dict[str, Any]] = []
+    # Pinning: this process, and so every server started below, keeps off the vCPU.
+    rest = keep_off(args.pin_stepping) if args.pin_stepping is not None else None
     with contextlib.ExitStack() as stack:  # stops every started server, always
         # With --isolate each server runs alone, started for its run: one MLX process
         # holds the device at a time.
@@ -199,16 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     with contextlib.ExitStack() as alone:
                         server = (variants.start([name], alone)[name] if args.isolate
                                   else servers[name])
-                        settled = (quiet(args.settle, {n: s.pid for n, s in servers.items()}
-                                         or {name: server.pid}) if args.settle else None)
-                        if settled:
-                            print(describe_quiet(settled), flush=True)
-                        target = Target(server.base_url, args.api, request_timeout=60.0,
-                                        health_probe=args.health_probe or None)
-                        began = time.time()
-                        summary = measured_load(server, target, workload, prompts)["summary"]
-                        if args.stalls:
-                            summary["stalls"] = read_stalls(server.log_path, began, time.time())
+                        summary, settled = _measured_run(args, name, server, servers, rest,
+                                                         workload, prompts)
                     runs.append({"round": rnd, "concurrency": conc, "variant": name,
                                  "summary": summary, "quiet_before": settled})
                     print(f"round {rnd} c={conc:<4} {name:<32} tok/s "
@@ -251,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--stalls, and each stall logs where it happened (in the server logs)")
     p.add_argument("--isolate", action="store_true",
                    help="start each server for its own run only (one MLX process at a time)")
+    p.add_argument("--pin-stepping", type=int, default=None, metavar="CPU",
+                   help="run every variant's MLX thread on this vCPU and all else on the "
+                        "others (Linux)")
     p.add_argument("--warm-run", action=argparse.BooleanOptionalAction, default=True,
                    help="one unmeasured run per server before round 0, the measured shape "
                         "at the largest concurrency (default on; off with --isolate)")

@@ -374,6 +374,59 @@ def test_env_ab_isolated_runs_every_variant(tiny_model_dir, tmp_path, monkeypatc
         assert r["summary"]["cpu_ms_per_token_by_thread"]["stepping"] > 0
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two vCPUs")
+def test_env_ab_pins_every_variants_mlx_thread_to_one_vcpu(tiny_model_dir, tmp_path,
+                                                          monkeypatch):
+    from benchmarks import env_ab
+
+    monkeypatch.setattr(env_ab, "RESULTS_DIR", tmp_path)
+    vcpus = sorted(os.sched_getaffinity(0))
+    cpu = vcpus[-1]
+    args = env_ab.build_parser().parse_args([
+        "--model", str(tiny_model_dir), "--variant", "-",
+        "--variant", "MLX_SERVE_STREAM_INTERVAL=4", "--concurrency", "2", "--rounds", "1",
+        "--prompt-tokens", "16", "--output-tokens", "8", "--min-requests", "2",
+        "--requests-per-stream", "1", "--decode-batch-size", "8", "--run-time-limit", "60",
+        "--no-warm-run", "--pin-stepping", str(cpu)])
+    pinned: list[tuple[int, dict[int, set[int]]]] = []
+    real_pin = env_ab.pin_stepping
+
+    def pin_and_read_back(pid, stepping_tid, to_cpu, rest):
+        stepping = real_pin(pid, stepping_tid, to_cpu, rest)
+        affinity = {}
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                affinity[tid] = os.sched_getaffinity(tid)
+        pinned.append((stepping, affinity))
+        return stepping
+
+    monkeypatch.setattr(env_ab, "pin_stepping", pin_and_read_back)
+    try:
+        report = env_ab.run(args)
+        # The load generator (this thread) and the servers it started kept off the vCPU.
+        assert os.sched_getaffinity(0) == set(vcpus) - {cpu}
+    finally:
+        os.sched_setaffinity(0, vcpus)
+    assert [r["variant"] for r in report["runs"]] == ["-", "MLX_SERVE_STREAM_INTERVAL=4"]
+    for run in report["runs"]:
+        assert (run["summary"]["completed"], run["summary"]["failed"]) == (2, 0)
+        detail = run["summary"]["stepping_detail"]
+        # Each server's MLX thread ended its run on the pinned vCPU. (Where it was at the
+        # start is where it last ran before the pin: an idle thread moves when it wakes.)
+        assert detail["vcpu"] == cpu, run["variant"]
+    # Before each run its server's MLX thread alone was on the vCPU, all else off it.
+    assert len(pinned) == 2
+    for stepping, affinity in pinned:
+        assert affinity.pop(stepping) == {cpu}
+        assert affinity and all(a == set(vcpus) - {cpu} for a in affinity.values())
+
+    outside = max(vcpus) + 1
+    with pytest.raises(ValueError, match=f"cannot pin to vCPU {outside}"):
+        env_ab.run(env_ab.build_parser().parse_args([
+            "--model", str(tiny_model_dir), "--variant", "-", "--variant", "A=1",
+            "--pin-stepping", str(outside)]))
+
+
 def test_an_env_ab_variant_setting_a_flag_of_the_base_command_replaces_it():
     from benchmarks.env_ab import without_flags_set_in
     from benchmarks.servers import mlx_serve_command
