@@ -179,8 +179,7 @@ class ABRunner:
     def pin(self, pid: int, stepping_tid: int | None) -> None:
         cpu = self.config.pin_stepping
         assert cpu is not None
-        if pin_stepping(pid, stepping_tid, cpu, self.rest) is None:
-            raise RuntimeError(f"no stepping thread found in process {pid} to pin")
+        pin_stepping(pid, stepping_tid, cpu, self.rest)
 
     def warm_servers(self) -> None:
         for name, server in self.servers.items():

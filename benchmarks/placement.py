@@ -34,16 +34,18 @@ def keep_off(cpu: int) -> set[int]:
     return rest
 
 
-def pin_stepping(pid: int, stepping_tid: int | None, cpu: int, rest: set[int]) -> int | None:
+def pin_stepping(pid: int, stepping_tid: int | None, cpu: int, rest: set[int]) -> int:
     """Pin process ``pid``'s stepping thread (mlx_serve's MLX thread when
     ``stepping_tid`` is None) to ``cpu`` and its other threads, its children's too, to
-    ``rest``. Returns the stepping thread's id, None where none was found (then nothing
-    is pinned to ``cpu``)."""
+    ``rest``. Returns the stepping thread's id; RuntimeError where none was found (a
+    run pinned to nothing would read as pinned)."""
     threads = thread_times(pid, children=True) or {}
     stepping = stepping_tid if stepping_tid is not None else mlx_thread_id(threads)
+    if stepping not in threads:
+        raise RuntimeError(f"no stepping thread found in process {pid} to pin")
     for tid in threads:
         try:
             os.sched_setaffinity(tid, {cpu} if tid == stepping else rest)
         except OSError:  # the thread ended meanwhile
             continue
-    return stepping if stepping in threads else None
+    return stepping

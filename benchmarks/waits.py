@@ -186,9 +186,10 @@ def kernel_share(kernel: dict[int, float] | None, thread: ThreadWaits) -> float 
     return kernel.get(tid) if kernel and tid is not None else None
 
 
-def disagrees(kernel_share: float, thread: ThreadWaits) -> bool:
-    """Whether py-spy's on-CPU share of ``thread`` is too far from the kernel's to read."""
-    return abs(kernel_share - thread.share(ON_CPU)) > KERNEL_AGREES_WITHIN
+def disagrees(share: float, thread: ThreadWaits) -> bool:
+    """Whether py-spy's on-CPU share of ``thread`` is too far from the kernel's
+    (``share``) to read."""
+    return abs(share - thread.share(ON_CPU)) > KERNEL_AGREES_WITHIN
 
 
 def format_waits(threads: dict[str, ThreadWaits], top: int = 4, stacks: int = 1,
