@@ -82,10 +82,10 @@ def _engine_hooks(probe: _Marks) -> list[tuple[type, str, object]]:
     import time
 
     from mlx_serve import engine, engine_step, open_requests
-    from mlx_serve.runner import batch
+    from mlx_serve.runner import token_text
 
     submit, take = engine.Engine.submit, open_requests.OpenRequests.open
-    run, advance = engine_step.EngineStep.run, batch.Runner._advance
+    run, make_delta = engine_step.EngineStep.run, token_text._delta
     deliver, finish = engine.Engine._deliver, engine.Engine._finish
 
     def submitted(self, *requests, **kwargs):
@@ -106,10 +106,10 @@ def _engine_hooks(probe: _Marks) -> list[tuple[type, str, object]]:
             probe.mark(r.request_id, "begun")
         return run(self, runner)
 
-    def advanced(self, live, response):
-        delta = advance(self, live, response)
+    def advanced(record, ended):
+        delta = make_delta(record, ended)
         if delta.text:
-            probe.mark_if(live.request.request_id, "text", "begun")
+            probe.mark_if(record.live.request.request_id, "text", "begun")
         return delta
 
     def delivered(self, deltas):
@@ -125,7 +125,7 @@ def _engine_hooks(probe: _Marks) -> list[tuple[type, str, object]]:
     return [(engine.Engine, "submit", submitted),
             (open_requests.OpenRequests, "open", taken),
             (engine_step.EngineStep, "run", begun),
-            (batch.Runner, "_advance", advanced),
+            (token_text, "_delta", advanced),
             (engine.Engine, "_deliver", delivered),
             (engine.Engine, "_finish", finished)]
 

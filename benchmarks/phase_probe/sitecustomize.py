@@ -77,9 +77,12 @@ class _Probe:
         except ImportError:
             return
         self.wrap(step, "one_array_step", "GenerationBatch._step (one array)")  # bound per batch
-        for name in ("step", "_advance", "_admit", "_remove", "_release_waiting",
-                     "_sample_memory"):
+        for name in ("step", "step_tokens", "step_texts", "_account", "_admit", "_remove",
+                     "_release_waiting", "_sample_memory"):
             self.wrap(runner.Runner, name, f"Runner.{name}")
+        # Each token's text and delta, on whichever thread makes the step's text.
+        token_text = importlib.import_module("mlx_serve.runner.token_text")
+        self.wrap(token_text, "_delta", "token_text._delta")
         # The early move into decoding runs after mlx-lm's _next, and the first tokens
         # are read after it: both outside BatchGenerator._next. Each caller holds its own
         # reference to take_first_tokens, so both are wrapped.

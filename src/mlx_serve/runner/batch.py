@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import deque
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from mlx_serve.failpoints import FailPoints
-from mlx_serve.generation import Delta, FinishReason, GenerationRequest, StepOutcome
+from mlx_serve.generation import GenerationRequest, StepOutcome
 from mlx_serve.prompt_encoder import PromptEncoder
 from mlx_serve.runner.decode_step import use_one_array_step
 from mlx_serve.runner.detokenizer import streaming_detokenizers
@@ -30,15 +31,16 @@ from mlx_serve.runner.early_split import (
 from mlx_serve.runner.end_tokens import EndTokens
 from mlx_serve.runner.format_guard import FormatFaults
 from mlx_serve.runner.formats import compile_format
+from mlx_serve.runner.insertion import insert_sequence
 from mlx_serve.runner.live import BatchLimits, Live
 from mlx_serve.runner.logprobs import TokenTexts, token_logprob
 from mlx_serve.runner.memory import MLXMemory
 from mlx_serve.runner.prefix_cache import PrefixCache
 from mlx_serve.runner.prompt_scoring import Scored, score_requests
-from mlx_serve.runner.sampling import make_request_processors, make_request_sampler
 from mlx_serve.runner.self_test import self_test
 from mlx_serve.runner.special_tokens import SpecialTokens, text_machines
 from mlx_serve.runner.text import TextPipeline
+from mlx_serve.runner.token_text import Ended, TokenRecord, TokenStep, step_texts
 from mlx_serve.runner.tokenizer_side import json_tool_parser
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class Runner:
         self._waiting_for_prefill: dict[tuple[int, ...], list[Live]] = {}
         self._format_faults = FormatFaults()
         self._unscored: list[Live] = []  # replayed before their prompts were scored
+        self._text_ended: Ended = deque()  # see runner.token_text
         self._one_array_logprobs = one_array_logprobs
         self._early_decode_join = early_decode_join
         self._batch = self._new_batch()
@@ -102,17 +105,33 @@ class Runner:
     def step(
         self, admissions: Sequence[GenerationRequest], cancellations: Collection[str]
     ) -> StepOutcome:
-        """Admit, cancel, run one batch step and turn its tokens into text deltas.
+        """Admit, cancel, run one batch step and turn its tokens into text deltas: both
+        phases (``step_tokens``, then ``step_texts``) on the calling thread.
 
         Never raises: a fault of one request is reported in ``failed``, a fault of the
         step itself in ``error`` (the batch must then be rebuilt before the next step).
         """
+        outcome = self.step_texts(self.step_tokens(admissions, cancellations))
+        self.take_out_ended()
+        return outcome
+
+    def step_texts(self, tokens: TokenStep) -> StepOutcome:
+        """A step's second phase (``runner.token_text``): on the MLX thread, or on one
+        text thread that takes the steps in order."""
+        return step_texts(tokens, self._text_ended)
+
+    def step_tokens(
+        self, admissions: Sequence[GenerationRequest], cancellations: Collection[str]
+    ) -> TokenStep:
+        """A step's first phase: admit, cancel, run one batch step, account its tokens."""
         if self._broken:  # a step behind a failed one: take its requests, step nothing
-            return self._take_while_broken(admissions, cancellations)
+            return TokenStep([], [], outcome=self._take_while_broken(admissions,
+                                                                     cancellations))
+        self.take_out_ended()
         self._remove(cancellations)
         failed = self._admit(admissions)
         if not self._by_uid:
-            return StepOutcome(failed=tuple(failed))
+            return TokenStep([], [], outcome=StepOutcome(failed=tuple(failed)))
         try:
             if self._failpoints:  # the users set is built only when fail points exist
                 self._failpoints.check("engine.step", self._users())
@@ -124,34 +143,34 @@ class Runner:
             self._release_waiting(prompt_responses)
         except Exception as exc:
             self._broken = True
-            return StepOutcome(failed=tuple(failed), error=exc, ran_batch=True)
+            return TokenStep([], [], outcome=StepOutcome(failed=tuple(failed), error=exc,
+                                                         ran_batch=True))
         if faults := self._format_faults.take():  # before their requests' tokens are read
             gone = [rid for rid in faults if rid in self._live]
             self._remove(gone)
             failed += [(rid, faults[rid]) for rid in gone]
-        deltas: list[tuple[str, Delta]] = []
+        records: list[TokenRecord] = []
         for r in responses:
             live = self._by_uid.get(r.uid)
             if live is not None:
-                self._advance_or_fail(live, r, deltas, failed)
+                self._account_or_fail(live, r, records, failed)
         sent = {}
         for uid, token in first_tokens.items():
             live = self._by_uid.get(uid)
             if live is not None and self._may_send_ahead(live, token):
                 sent[uid] = token
-                self._advance_or_fail(live, FirstToken(uid, token), deltas, failed)
+                self._account_or_fail(live, FirstToken(uid, token), records, failed)
         mark_sent_ahead(self._batch, sent)
         # Sampled every so often, and when the batch empties so that idle figures settle.
         if not self._by_uid or self._mlx_memory.due():
             self._sample_memory()
-        return StepOutcome(deltas=tuple(deltas), failed=tuple(failed), ran_batch=True,
-                           prefilled=bool(prompt_responses))
+        return TokenStep(records, failed, bool(prompt_responses))
 
-    def _advance_or_fail(self, live: Live, response: Any, deltas: list[tuple[str, Delta]],
+    def _account_or_fail(self, live: Live, response: Any, records: list[TokenRecord],
                          failed: list[tuple[str, Exception]]) -> None:
         try:
-            deltas.append((live.request.request_id, self._advance(live, response)))
-        except Exception as exc:  # one request's text fault fails that request only
+            records.append(self._account(live, response))
+        except Exception as exc:  # one request's fault fails that request only
             self._remove([live.request.request_id])
             failed.append((live.request.request_id, exc))
 
@@ -182,6 +201,8 @@ class Runner:
         """
         self._close_batch()
         self._broken = False
+        while self._text_ended:  # their replies have ended: nothing to replay
+            self._live.pop(self._text_ended.popleft()[0], None)
         # A sampler that raised inside mlx-lm's compiled sampling can leave MLX's global
         # random state unusable; unseeded sampling restarts from fresh entropy.
         mx.random.seed(secrets.randbits(63))
@@ -326,26 +347,9 @@ class Runner:
         cache, rest = computed or self.prefix_cache.lookup(prompt)
         if live.cached_tokens is None:  # the first admission, not a replay
             live.cached_tokens = len(prompt) - len(rest)
-        params = live.request.params
-        end_ids = self._end_tokens.ids(params)
-        processors = make_request_processors(params, len(live.request.prompt_tokens), end_ids)
-        fmt = live.request.output.response_format
-        if fmt is not None:  # a fresh matcher, fast-forwarded over what was generated
-            matcher = fmt.make_processor_at(  # type: ignore[attr-defined]
-                len(live.request.prompt_tokens), live.generated)
-            processors.append(self._format_faults.guard(
-                live.request.request_id, matcher, live.request.output.format_param))
-        (uid,) = self._batch.insert(
-            [rest],
-            max_tokens=[live.remaining],
-            caches=[cache] if cache is not None else None,
-            all_tokens=[prompt[: len(prompt) - len(rest)]],
-            samplers=[make_request_sampler(params, len(live.generated))],
-            logits_processors=[processors],
-            stop_sequences=[self._end_tokens.stop_sequences(end_ids)],
-        )
-        live.uid = uid
-        self._by_uid[uid] = live
+        live.uid = insert_sequence(self._batch, live, prompt, cache, rest, self._end_tokens,
+                                   self._format_faults)
+        self._by_uid[live.uid] = live
 
     def _remove(self, request_ids: Collection[str], keep_cache: bool = False) -> None:
         uids = []
@@ -368,29 +372,35 @@ class Runner:
     def _users(self) -> set[str]:
         return {u for live in self._by_uid.values() if (u := live.request.user) is not None}
 
-    def _advance(self, live: Live, response: Any) -> Delta:
-        """Account one generated token; return what it adds to the reply."""
+    def _account(self, live: Live, response: Any) -> TokenRecord:
+        """Account one generated token on the MLX thread: what a replay needs, its
+        log-probabilities (read from the batch's arrays), and mlx-lm's own end."""
         live.generated.append(response.token)
-        piece = live.text.advance(response.token, response.finish_reason)
         request = live.request
         logprobs: tuple = ()
         k = request.output.logprobs
         if k is not None:  # the token that ended the reply too: usage counts it (vLLM)
             logprobs = (token_logprob(self.token_texts, response.logprobs, response.token, k),)
-        cached = 0
-        if piece.finish is not None:
-            cached = live.cached_tokens or 0
-            if response.prompt_cache is not None:  # mlx-lm extracted it for us
+        prompt_logprobs, live.prompt_logprobs = live.prompt_logprobs, None
+        if response.finish_reason is not None:  # mlx-lm has taken it out of the batch
+            if response.prompt_cache is not None:  # and extracted its KV for us
                 self.prefix_cache.store(list(response.all_tokens), response.prompt_cache)
-            self._remove([request.request_id], keep_cache=response.finish_reason is None)
-        # All positional: a keyword argument made a Delta take 0.32 us to build, not 0.21.
-        delta = Delta(piece.content, 1, piece.finish, request.index, piece.reasoning,
-                      piece.tool_calls, logprobs, cached, None, piece.tool_text)
-        if piece.finish is not None and request.output.prompt_only:
-            delta = Delta("", 0, FinishReason.LENGTH, request.index, cached_tokens=cached)
-        if live.prompt_logprobs is not None:  # only ever on the request's first delta
-            delta.prompt_logprobs, live.prompt_logprobs = live.prompt_logprobs, None
-        return delta
+            self._remove([request.request_id])
+        return TokenRecord(live, response.token, response.finish_reason, logprobs,
+                           prompt_logprobs)
+
+    @property
+    def ended_waiting(self) -> bool:
+        """Whether replies the text ended wait to be taken out of the batch."""
+        return bool(self._text_ended)
+
+    def take_out_ended(self) -> None:
+        """Take out of the batch the requests whose text ended (or failed) since the
+        last call, their KV kept for the prefix cache where the text ended them (MLX
+        thread). A broken batch keeps them: its rebuild drops them."""
+        while self._text_ended and not self._broken:
+            request_id, keep_cache = self._text_ended.popleft()
+            self._remove([request_id], keep_cache=keep_cache)
 
 
 def _user_set(user: str | None) -> set[str]:

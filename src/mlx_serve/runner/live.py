@@ -19,7 +19,7 @@ class Live:
     """One request the runner is generating for (in the batch, or parked)."""
 
     __slots__ = ("request", "text", "generated", "uid", "cached_tokens", "prefilled",
-                 "prompt_logprobs", "scores_due")
+                 "prompt_logprobs", "scores_due", "text_done")
 
     def __init__(self, request: GenerationRequest, text: TextPipeline) -> None:
         self.request = request
@@ -32,6 +32,7 @@ class Live:
         # The prompt's own scores are asked for and not computed yet: it must be scored
         # before it goes into a batch (admitted, or replayed before its first admission).
         self.scores_due = request.output.prompt_logprobs is not None
+        self.text_done = False  # its reply has ended: set and read by the text phase only
 
     @property
     def remaining(self) -> int:
