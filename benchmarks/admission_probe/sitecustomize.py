@@ -85,7 +85,7 @@ def _engine_hooks(probe: _Marks) -> list[tuple[type, str, object]]:
     from mlx_serve.runner import token_text
 
     submit, take = engine.Engine.submit, open_requests.OpenRequests.open
-    run, make_delta = engine_step.EngineStep.run, token_text._delta
+    begin, make_delta = engine_step.EngineStep._begin, token_text._delta
     deliver, finish = engine.Engine._deliver, engine.Engine._finish
 
     def submitted(self, *requests, **kwargs):
@@ -101,10 +101,11 @@ def _engine_hooks(probe: _Marks) -> list[tuple[type, str, object]]:
         probe.mark(entry.request.request_id, "taken")
         return take(self, entry, draining)
 
-    def begun(self, runner):
-        for r in list(self.admissions):
+    def begun(self):
+        admissions = begin(self)
+        for r in admissions:
             probe.mark(r.request_id, "begun")
-        return run(self, runner)
+        return admissions
 
     def advanced(record, ended):
         delta = make_delta(record, ended)
@@ -124,7 +125,7 @@ def _engine_hooks(probe: _Marks) -> list[tuple[type, str, object]]:
 
     return [(engine.Engine, "submit", submitted),
             (open_requests.OpenRequests, "open", taken),
-            (engine_step.EngineStep, "run", begun),
+            (engine_step.EngineStep, "_begin", begun),
             (token_text, "_delta", advanced),
             (engine.Engine, "_deliver", delivered),
             (engine.Engine, "_finish", finished)]

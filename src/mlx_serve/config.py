@@ -131,6 +131,12 @@ class Settings(BaseSettings):
                     "(Linux; below 0 needs CAP_SYS_NICE): on a host with few cores a "
                     "negative value lets batch steps run ahead of HTTP and other processes",
     )
+    text_thread: bool = Field(
+        False,
+        description="turn each step's tokens into text (detokenizer, stop strings) on a "
+                    "thread of its own while the MLX thread runs the next step, not on "
+                    "the MLX thread after each step (same replies)",
+    )
     one_array_logprobs: bool = Field(
         True,
         description="evaluate each decode step's log-probabilities as one array, not one "

@@ -75,6 +75,7 @@ class Engine:
         self._aborted = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: Wakeup | None = None  # made in run(), on the actor's event loop
+        self._text: MLXThread | None = None  # the text thread, if configured (run())
         self._wake_on_arrival = False  # a queued step could still take a newcomer
         self._arrived = False
         self.ready = anyio.Event()
@@ -155,6 +156,8 @@ class Engine:
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wakeup = Wakeup(self._loop)
+        if self._config.text_thread:
+            self._text = MLXThread(name="text")
         try:
             try:
                 self.runner = await self._mlx.call(self._load)
@@ -179,6 +182,8 @@ class Engine:
             raise
         finally:
             self._wakeup.close()
+            if self._text is not None:  # ends after its job; it holds nothing to wait for
+                self._text.stop(timeout=0)
             if self._state not in (EngineState.FAILED, EngineState.WEDGED):
                 self._state = EngineState.STOPPED
             self._fail_all(ended_error(self._state, self._aborted))
@@ -264,7 +269,8 @@ class Engine:
         admissions = self._take_admissions()
         cancellations = self._take_cancellations()
         step = EngineStep(self._in_batch(admissions), admissions, cancellations)
-        self._mlx.post(step.run_and_report, self.runner, self._loop, self._step_done)
+        assert self._loop is not None  # set in run(), the only caller's caller
+        step.launch(self.runner, self._loop, self._step_done, self._mlx, self._text)
         return step
 
     def _step_done(self, step: EngineStep, outcome: StepOutcome) -> None:

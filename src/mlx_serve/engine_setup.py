@@ -73,6 +73,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_failed_rebuilds=settings.max_failed_rebuilds,
         max_request_failures=settings.max_request_failures,
         pipeline_depth=settings.pipeline_depth,
+        text_thread=settings.text_thread,
     )
 
 

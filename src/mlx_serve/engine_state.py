@@ -40,6 +40,7 @@ class EngineConfig:
     max_failed_rebuilds: int = 3
     max_request_failures: int = 2
     pipeline_depth: int = 3  # steps in the MLX thread's hands: the running one + queued
+    text_thread: bool = False  # each step's text on a thread of its own (runner.token_text)
 
 
 @dataclass(frozen=True)
