@@ -168,3 +168,30 @@ def test_a_server_started_with_the_setting_streams_through_its_text_thread(
     assert cut["choices"][0]["text"] == full[: full.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_a_step_that_raises_before_its_text_is_recovered_from(tiny_model_dir,
+                                                                    monkeypatch):
+    """A fault escaping the step's first phase reaches the actor through the text
+    thread, behind the steps before it; the batch is rebuilt and the reply completes."""
+    from mlx_serve.runner.batch import Runner
+
+    step_tokens = Runner.step_tokens
+    calls = {"n": 0}
+
+    def failing_once(self, admissions, cancellations):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("first phase fault")
+        return step_tokens(self, admissions, cancellations)
+
+    async with running_engine(tiny_model_dir, config=TEXT_THREAD) as engine:
+        p = prompts(engine, 1)[0]
+        reference = await generate(engine, p, max_tokens=12)
+        calls["n"] = 0
+        monkeypatch.setattr(Runner, "step_tokens", failing_once)
+        with anyio.fail_after(30):
+            again = await generate(engine, p, max_tokens=12)
+        assert calls["n"] > 4, "the fault was never raised"
+        assert (again.text, again.tokens, again.error) == (reference.text, 12, None)
+        assert engine.statistics().recoveries == 1

@@ -156,7 +156,7 @@ class Engine:
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wakeup = Wakeup(self._loop)
-        if self._config.text_thread:
+        if self._config.text_thread:  # a job thread like the MLX one; it calls no MLX
             self._text = MLXThread(name="text")
         try:
             try:

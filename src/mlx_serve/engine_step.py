@@ -67,8 +67,8 @@ class EngineStep:
         the text thread, which makes the deltas and reports (``runner.token_text``)."""
         try:
             tokens = runner.step_tokens(self._begin(), self.cancellations)
-        except BaseException as exc:
-            self._report(loop, done, StepOutcome(error=exc))
+        except BaseException as exc:  # reported behind the text of the steps before it
+            text.post(self._report, loop, done, StepOutcome(error=exc))
             return
         text.post(self._text_and_report, runner, tokens, loop, done, mlx)
 
