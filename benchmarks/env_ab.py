@@ -79,8 +79,8 @@ from mlx_serve.config import Settings, env_name, flag_name
 # Of report.METRICS; the step figures say whether a slower variant ran emptier batches
 # (fewer tokens a step) or slower steps, the CPU probe whether the host ran it slower.
 SHOWN = ("output tok/s", "TTFT p50", "TPOT p50", "CPU ms/token", "CPU ms/token, main thread",
-         "CPU ms/token, stepping thread", "tokens/step", "ms/step", "MLX thread busy share",
-         "CPU probe p50")
+         "CPU ms/token, stepping thread", "CPU ms/token, text thread", "tokens/step",
+         "ms/step", "MLX thread busy share", "CPU probe p50")
 
 
 def parse_variant(text: str) -> dict[str, str]:

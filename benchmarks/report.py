@@ -46,6 +46,7 @@ METRICS: dict[str, Getter] = {
     "CPU ms/token, stepping thread": role_cpu("stepping"),
     # mlx_serve's event loop (the engine harness has none: no ratio to it).
     "CPU ms/token, main thread": role_cpu("main"),
+    "CPU ms/token, text thread": role_cpu("text"),
     "tokens/step": lambda s: s.get("tokens_per_step"),
     "ms/step": lambda s: s.get("ms_per_step"),
     "prefill step share": lambda s: s.get("prefill_step_share"),
@@ -182,7 +183,7 @@ def format_ratios(table: dict[str, Any]) -> str:
     lines = [header, "|" + "---|" * (2 + len(pairs))]
     for conc, rows in table.items():
         for metric in METRICS:
-            cells = [cell(rows[metric][p]) for p in pairs]
+            cells = [cell(rows.get(metric, {}).get(p)) for p in pairs]  # older tables lack some
             if all(c == "-" for c in cells):
                 continue  # a figure none of the pairs has, e.g. only mlx_serve's
             lines.append(f"| {conc} | {metric} | {' | '.join(cells)} |")

@@ -9,6 +9,8 @@ Roles, read from ``/proc/PID/task/*`` (Linux):
   itself ``mlx``; MLX's workers, which it starts, inherit the name, so it is the oldest
   thread of that name), and the engine harness's only Python thread (which has no
   ``main`` then). Not told apart in mlx_lm.server, where it counts as ``other``.
+- ``text``: mlx_serve's text thread (``--text-thread``, named ``text``), which makes each
+  step's text while the MLX thread runs the next step.
 - ``other``: every other thread: MLX's and BLAS's workers, worker threads for long
   prompts, mlx_lm.server's generation and handler threads.
 
@@ -27,8 +29,9 @@ from typing import Any
 from benchmarks.thread_detail import describe as describe_detail
 from benchmarks.thread_detail import stat_fields
 
-ROLES = ("main", "stepping", "other")
+ROLES = ("main", "stepping", "text", "other")
 MLX_THREAD_NAME = "mlx"  # the name mlx_serve gives its MLX thread (mlx_thread.py)
+TEXT_THREAD_NAME = "text"  # and its text thread (engine.py)
 
 Snapshot = dict[int, tuple[str, float]]  # thread id -> (name, CPU seconds so far)
 
@@ -93,8 +96,9 @@ def cpu_by_role(pid: int, before: Snapshot | None, after: Snapshot | None,
         return None
     stepping = {stepping_tid, mlx_thread_id(after)}
     roles = dict.fromkeys(ROLES, 0.0)
-    for tid, (_, seconds) in after.items():
-        role = "stepping" if tid in stepping else "main" if tid == pid else "other"
+    for tid, (name, seconds) in after.items():
+        role = ("stepping" if tid in stepping else "main" if tid == pid
+                else "text" if name == TEXT_THREAD_NAME else "other")
         roles[role] += seconds - before.get(tid, ("", 0.0))[1]
     return roles
 
@@ -125,14 +129,14 @@ def cpu_per_token_by_thread(summary: dict[str, Any], roles: dict[str, float] | N
         summary["cpu_ms_per_token_by_thread"] = None
         return
     summary["cpu_ms_per_token_by_thread"] = {
-        role: round(1000 * roles[role] / tokens, 4) for role in ROLES}
+        role: round(1000 * roles.get(role, 0.0) / tokens, 4) for role in ROLES}
 
 
 def role_cpu(role: str) -> Callable[[dict[str, Any]], float | None]:
     """A getter of one role's CPU ms per token (None where the run has no such thread)."""
     def get(summary: dict[str, Any]) -> float | None:
         by = summary.get("cpu_ms_per_token_by_thread")
-        return by[role] if by and by[role] > 0 else None
+        return by[role] if by and by.get(role, 0) > 0 else None  # none in older results
     return get
 
 
@@ -141,7 +145,8 @@ def describe_threads(summary: dict[str, Any]) -> str:
     line ('' without either)."""
     by = summary.get("cpu_ms_per_token_by_thread")
     busy = summary.get("mlx_busy_share")
-    line = ("cpu/token " + " ".join(f"{role} {by[role]:.3f}" for role in ROLES) + " ms"
+    shown = [role for role in ROLES if role != "text" or (by and by.get(role))]
+    line = ("cpu/token " + " ".join(f"{role} {by[role]:.3f}" for role in shown) + " ms"
             if by else "")
     if busy is not None:  # mlx_serve's MLX thread: in jobs this share of the run
         line = f"{line}  mlx busy {100 * busy:.0f} %".lstrip()

@@ -88,7 +88,12 @@ def test_cpu_by_role_takes_per_thread_differences_and_finds_the_mlx_thread():
     after = {pid: ("python", 1.25), pid + 1: ("mlx", 2.5), pid + 5: ("mlx", 6.0),
              pid + 7: ("python", 0.75), pid + 10: ("python", 0.125)}
     roles = cpu_by_role(pid, before, after)
-    assert roles == {"main": 0.25, "stepping": 0.5, "other": 1.0 + 0.25 + 0.125}
+    assert roles == {"main": 0.25, "stepping": 0.5, "text": 0.0,
+                     "other": 1.0 + 0.25 + 0.125}
+    # mlx_serve's text thread (--text-thread) is a role of its own.
+    with_text = cpu_by_role(pid, before, {**after, pid + 11: ("text", 0.375)})
+    assert with_text is not None
+    assert with_text["text"] == 0.375 and with_text["other"] == 1.0 + 0.25 + 0.125
     # Listed first, it is the MLX thread whatever its id (ids wrap around at pid_max).
     wrapped = {pid + 5: ("mlx", 2.5), pid + 1: ("mlx", 6.0), pid: ("python", 1.25)}
     assert mlx_thread_id(wrapped) == pid + 5
@@ -101,7 +106,7 @@ def test_cpu_by_role_takes_per_thread_differences_and_finds_the_mlx_thread():
     summary = {"output_tokens": 250}
     cpu_per_token_by_thread(summary, roles)
     assert summary["cpu_ms_per_token_by_thread"] == {"main": 1.0, "stepping": 2.0,
-                                                     "other": 5.5}
+                                                     "text": 0.0, "other": 5.5}
     here = thread_times()
     assert here is not None and here[os.getpid()][1] > 0
 
