@@ -195,3 +195,35 @@ async def test_a_step_that_raises_before_its_text_is_recovered_from(tiny_model_d
         assert calls["n"] > 4, "the fault was never raised"
         assert (again.text, again.tokens, again.error) == (reference.text, 12, None)
         assert engine.statistics().recoveries == 1
+
+
+@pytest.mark.parametrize("config", [None, TEXT_THREAD], ids=["mlx-thread", "text-thread"])
+async def test_a_batch_that_will_not_let_an_ended_reply_go_is_rebuilt_with_nothing_lost(
+        tiny_model_dir, monkeypatch, config):
+    """Taking a reply the text ended out of the batch fails: the step's deltas still go
+    out, the batch is rebuilt, and the other replies run on whole."""
+    from mlx_serve.runner.batch import Runner
+
+    remove = Runner._remove
+    faults = {"n": 0}
+
+    def failing_take_out(self, request_ids, keep_cache=False):
+        if keep_cache and faults["n"] == 0:  # only a reply the text ended is kept
+            faults["n"] += 1
+            raise RuntimeError("remove fault")
+        return remove(self, request_ids, keep_cache)
+
+    async with running_engine(tiny_model_dir, config=config) as engine:
+        stop = (await stops_for(engine))[0]
+        ps = prompts(engine, 8)
+        alone = await generate(engine, ps[0], max_tokens=30)
+        cut_alone = await generate(engine, ps[4], max_tokens=40, stop=(stop,))
+        monkeypatch.setattr(Runner, "_remove", failing_take_out)
+        events = await events_of(engine, [make_request(ps[0], max_tokens=30),
+                                          make_request(ps[4], max_tokens=40, stop=(stop,))])
+        assert faults["n"] == 1, "the fault was never raised"
+        texts = ["".join(e.text for e in reply) for reply in events]
+        assert texts == [alone.text, cut_alone.text]
+        assert [reply[-1].finish_reason for reply in events] == ["length", "stop"]
+        assert sum(e.token_count for e in events[0]) == 30
+        assert engine.statistics().recoveries == 1

@@ -7,6 +7,7 @@ prompt, the tokens delivered so far, and the text state (detokenizer, held stop 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from collections import deque
@@ -112,7 +113,11 @@ class Runner:
         step itself in ``error`` (the batch must then be rebuilt before the next step).
         """
         outcome = self.step_texts(self.step_tokens(admissions, cancellations))
-        self.take_out_ended()
+        try:
+            self.take_out_ended()
+        except Exception as exc:  # the batch would not let them go: rebuild it
+            self._broken = True  # the deltas still go out; the replay starts after them
+            return dataclasses.replace(outcome, error=exc)
         return outcome
 
     def step_texts(self, tokens: TokenStep) -> StepOutcome:
@@ -399,8 +404,9 @@ class Runner:
         last call, their KV kept for the prefix cache where the text ended them (MLX
         thread). A broken batch keeps them: its rebuild drops them."""
         while self._text_ended and not self._broken:
-            request_id, keep_cache = self._text_ended.popleft()
+            request_id, keep_cache = self._text_ended[0]
             self._remove([request_id], keep_cache=keep_cache)
+            self._text_ended.popleft()  # only once out: a fault leaves it for the rebuild
 
 
 def _user_set(user: str | None) -> set[str]:
