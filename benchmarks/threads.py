@@ -129,7 +129,7 @@ def cpu_per_token_by_thread(summary: dict[str, Any], roles: dict[str, float] | N
         summary["cpu_ms_per_token_by_thread"] = None
         return
     summary["cpu_ms_per_token_by_thread"] = {
-        role: round(1000 * roles.get(role, 0.0) / tokens, 4) for role in ROLES}
+        role: round(1000 * roles[role] / tokens, 4) for role in ROLES}
 
 
 def role_cpu(role: str) -> Callable[[dict[str, Any]], float | None]:

@@ -386,7 +386,9 @@ class Runner:
         k = request.output.logprobs
         if k is not None:  # the token that ended the reply too: usage counts it (vLLM)
             logprobs = (token_logprob(self.token_texts, response.logprobs, response.token, k),)
-        prompt_logprobs, live.prompt_logprobs = live.prompt_logprobs, None
+        prompt_logprobs = live.prompt_logprobs
+        if prompt_logprobs is not None:  # only ever with the request's first token
+            live.prompt_logprobs = None
         if response.finish_reason is not None:  # mlx-lm has taken it out of the batch
             if response.prompt_cache is not None:  # and extracted its KV for us
                 self.prefix_cache.store(list(response.all_tokens), response.prompt_cache)
